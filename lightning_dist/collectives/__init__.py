@@ -1,0 +1,135 @@
+"""The one place that talks to a transport.
+
+Module-level functions act on the *current* communicator: the one a strategy installed with
+``use``, else the default torch.distributed world group when one is initialised, else the
+single-process twin. Every call counts bytes and seconds; read them with ``stats()`` and zero them
+with ``reset_stats()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_dist.collectives.accounting import CommStats, OpStats, ring_all_reduce_bytes
+from lightning_dist.collectives.backend import REDUCE_OPS, Backend, check_reduce_op
+from lightning_dist.collectives.communicator import PROCESS_STATS, Communicator, TensorOrList
+from lightning_dist.collectives.single import SingleProcessBackend
+from lightning_dist.collectives.torch_backend import TorchBackend
+
+__all__ = [
+    "REDUCE_OPS",
+    "Backend",
+    "CommStats",
+    "Communicator",
+    "OpStats",
+    "SingleProcessBackend",
+    "TorchBackend",
+    "all_gather",
+    "all_gather_async",
+    "all_reduce",
+    "all_reduce_async",
+    "all_to_all",
+    "all_to_all_async",
+    "barrier",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_object",
+    "check_reduce_op",
+    "current",
+    "reduce_scatter",
+    "reduce_scatter_async",
+    "reset_stats",
+    "ring_all_reduce_bytes",
+    "stats",
+    "use",
+]
+
+_installed: Optional[Communicator] = None
+_default: Optional[Communicator] = None
+
+
+def use(backend: Optional[Backend | Communicator]) -> Optional[Communicator]:
+    """Make ``backend`` the current transport (``None`` goes back to auto-detection)."""
+    global _installed
+    if backend is None or isinstance(backend, Communicator):
+        _installed = backend
+    else:
+        _installed = Communicator(backend)
+    return _installed
+
+
+def current() -> Communicator:
+    """The communicator module-level calls use now."""
+    global _default
+    if _installed is not None:
+        return _installed
+    if dist.is_available() and dist.is_initialized():
+        world = dist.group.WORLD
+        if _default is None or not isinstance(_default.backend, TorchBackend) or _default.backend.group is not world:
+            _default = Communicator(TorchBackend(world))
+        return _default
+    if _default is None or not isinstance(_default.backend, SingleProcessBackend):
+        _default = Communicator(SingleProcessBackend())
+    return _default
+
+
+def stats() -> CommStats:
+    """This process's counters (shared by all default communicators)."""
+    return current().stats if _installed is not None else PROCESS_STATS
+
+
+def reset_stats() -> None:
+    stats().reset()
+
+
+def all_reduce(tensor: TensorOrList, op: str = "sum") -> Any:
+    return current().all_reduce(tensor, op)
+
+
+def all_reduce_async(tensor: TensorOrList, op: str = "sum") -> Future:
+    return current().all_reduce_async(tensor, op)
+
+
+def broadcast(tensor: Tensor, src: int = 0) -> Tensor:
+    return current().broadcast(tensor, src)
+
+
+def broadcast_async(tensor: Tensor, src: int = 0) -> Future:
+    return current().broadcast_async(tensor, src)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    return current().broadcast_object(obj, src)
+
+
+def all_gather(tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
+    return current().all_gather(tensor, same_shape)
+
+
+def all_gather_async(tensor: Tensor, same_shape: bool = False) -> Future:
+    return current().all_gather_async(tensor, same_shape)
+
+
+def reduce_scatter(tensor: TensorOrList, op: str = "sum") -> Tensor:
+    return current().reduce_scatter(tensor, op)
+
+
+def reduce_scatter_async(tensor: TensorOrList, op: str = "sum") -> Future:
+    return current().reduce_scatter_async(tensor, op)
+
+
+def all_to_all(inputs: Sequence[Tensor]) -> list[Tensor]:
+    return current().all_to_all(inputs)
+
+
+def all_to_all_async(inputs: Sequence[Tensor]) -> Future:
+    return current().all_to_all_async(inputs)
+
+
+def barrier() -> None:
+    current().barrier()

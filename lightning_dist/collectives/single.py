@@ -1,0 +1,53 @@
+"""World size 1: every collective is a no-op that returns its input (or a list holding it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_dist.collectives.backend import Backend, completed_future
+
+
+class SingleProcessBackend(Backend):
+    """The single-process twin: same results as any backend would give at world size 1."""
+
+    name = "single"
+
+    @property
+    def rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def all_reduce(self, tensor: Tensor, op: str) -> Future:
+        return completed_future(tensor)
+
+    def broadcast(self, tensor: Tensor, src: int) -> Future:
+        return completed_future(tensor)
+
+    def all_gather(self, tensor: Tensor) -> Future:
+        return completed_future([tensor.clone()])
+
+    def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
+        output.copy_(inputs[0])
+        return completed_future(output)
+
+    def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
+        outputs[0].copy_(inputs[0])
+        return completed_future(outputs)
+
+    def send(self, tensor: Tensor, dst: int) -> Future:
+        raise RuntimeError("send has no peer at world size 1")
+
+    def recv(self, tensor: Tensor, src: int) -> Future:
+        raise RuntimeError("recv has no peer at world size 1")
+
+    def barrier(self) -> None:
+        return None
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        return obj
