@@ -1,0 +1,7 @@
+"""lightning_dist: distributed-training strategies for PyTorch Lightning on one collectives layer."""
+
+from lightning_dist import collectives
+from lightning_dist.strategies import DDP
+
+__all__ = ["DDP", "collectives"]
+__version__ = "0.1.0"

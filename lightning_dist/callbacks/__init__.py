@@ -1,0 +1,5 @@
+"""Monitoring callbacks."""
+
+from lightning_dist.callbacks.monitor import CommMonitor
+
+__all__ = ["CommMonitor"]

@@ -1,0 +1,170 @@
+"""``DDP``: Lightning's DDP launch and wrapping, with gradient sync routed through ``collectives``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_dist import collectives
+from lightning_dist.collectives.autograd import all_gather_with_grad
+from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
+from lightning_dist.strategies.options import (
+    check_choice,
+    check_positive,
+    reduce_op_name,
+    reject_unknown_options,
+)
+
+PROCESS_GROUP_BACKENDS = (None, "gloo", "nccl", "mpi")
+START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
+GRADIENT_REDUCE_OPS = ("avg", "sum", "adasum")
+
+
+class DDP(DDPStrategy):
+    """torch DistributedDataParallel under Lightning, with every bucket reduced by ``collectives``.
+
+    Unlike Lightning's ``DDPStrategy``, the comm hook is registered on CPU as well as CUDA, so
+    monitoring, Adasum and compression behave the same on Gloo and NCCL.
+
+    Args:
+        reduce_op: how gradients are combined: ``"avg"`` (what torch DDP does), ``"sum"``, or
+            ``"adasum"`` (gradient-space Adasum per parameter tensor; with SGD it equals Horovod's
+            Adasum, with Adam it is a different algorithm than Horovod's update-space one).
+        start_method: ``"auto"`` picks ``"fork"`` in an interactive session (notebooks) and
+            ``"popen"`` (the script re-executed per rank, like Lightning's ``"ddp"``) otherwise.
+        bucket_cap_mb, static_graph, find_unused_parameters, gradient_as_bucket_view: passed to
+            ``DistributedDataParallel``.
+    """
+
+    strategy_name = "ld_ddp"
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["auto", "popen", "spawn", "fork", "forkserver"] = "auto",
+        reduce_op: str = "avg",
+        bucket_cap_mb: Optional[float] = None,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        **unknown: Any,
+    ) -> None:
+        reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
+        check_choice("process_group_backend", process_group_backend, PROCESS_GROUP_BACKENDS)
+        check_choice("start_method", start_method, START_METHODS)
+        reduce_op = reduce_op_name("reduce_op", reduce_op, GRADIENT_REDUCE_OPS)
+        ddp_kwargs: dict[str, Any] = {
+            "static_graph": static_graph,
+            "find_unused_parameters": find_unused_parameters,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+        }
+        if bucket_cap_mb is not None:
+            check_positive("bucket_cap_mb", bucket_cap_mb)
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
+        if start_method == "auto":
+            start_method = "fork" if _IS_INTERACTIVE else "popen"
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self.reduce_op = reduce_op
+        self.hook_state = self._make_hook_state()
+
+    @classmethod
+    def _accepted_options(cls) -> list[str]:
+        import inspect
+
+        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "unknown")]
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    # -- gradient communication -------------------------------------------------------------------
+    def _make_hook_state(self) -> Any:
+        return CollectivesHookState(reduce_op=self.reduce_op)
+
+    def _comm_hook(self) -> Callable[[Any, Any], Any]:
+        return collectives_hook
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        collectives.use(collectives.Communicator(collectives.TorchBackend()))
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.register_comm_hook(self.hook_state, self._comm_hook())
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        collectives.use(None)
+
+    # -- collectives for Lightning (logging, metrics, checkpoints) --------------------------------
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
+    ) -> Union[Tensor, Any]:
+        if not isinstance(tensor, Tensor):
+            return tensor
+        op = reduce_op_name("reduce_op", reduce_op, ("sum", "avg", "min", "max"))
+        result = tensor.clone()
+        if op == "avg" and not result.is_floating_point():
+            result = result.float()
+        return collectives.all_reduce(result, op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if sync_grads:
+            return all_gather_with_grad(collectives.current(), tensor)
+        return torch.stack(collectives.all_gather(tensor.contiguous(), same_shape=True))
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return collectives.broadcast_object(obj, src)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        collectives.barrier()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (
+            ("ld_ddp", "auto"),
+            ("ld_ddp_popen", "popen"),
+            ("ld_ddp_spawn", "spawn"),
+            ("ld_ddp_fork", "fork"),
+            ("ld_ddp_notebook", "fork"),
+        ):
+            strategy_registry.register(
+                name, cls, description=f"lightning_dist DDP, start_method={start_method!r}", start_method=start_method
+            )
+        strategy_registry.register(
+            "ld_ddp_adasum", cls, description="lightning_dist DDP with gradient-space Adasum", reduce_op="adasum"
+        )

@@ -1,0 +1,132 @@
+"""Train the embedded workload with any strategy; shared by examples, the demo and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from lightning_dist.callbacks import CommMonitor
+from lightning_dist.workload.model import TinyCausalLM, WorkloadConfig
+
+
+@dataclass
+class TrainRun:
+    """One training run of the workload."""
+
+    strategy: str = "ld_ddp"
+    """A registered strategy name (Lightning's or lightning_dist's), or 'module:Class'."""
+    devices: int = 2
+    accelerator: str = "cpu"
+    num_nodes: int = 1
+    max_steps: int = 60
+    accumulate_grad_batches: int = 1
+    precision: str = "32-true"
+    seed: int = 1234
+    val_batches: int = 8
+    threads_per_rank: int = 1
+    workload: dict[str, Any] = field(default_factory=dict)
+    """Overrides for ``WorkloadConfig`` fields."""
+
+
+def build_strategy(spec: str) -> Any:
+    """A name from the StrategyRegistry stays a string; 'module:Class' or 'module:Class(kw=v)' is built."""
+    import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
+
+    if ":" not in spec:
+        return spec
+    module_name, _, expr = spec.partition(":")
+    import importlib
+
+    module = importlib.import_module(module_name)
+    return eval(expr if "(" in expr else expr + "()", vars(module))  # noqa: S307  (trusted CLI input)
+
+
+def train(run: TrainRun) -> dict[str, Any]:
+    """Fit, validate and return a summary (loss, step time, bytes) from this rank."""
+    torch.set_num_threads(run.threads_per_rank)
+    L.seed_everything(run.seed, workers=True, verbose=False)
+    model = TinyCausalLM(WorkloadConfig(seed=run.seed, **run.workload))
+    monitor = CommMonitor(log=False)
+    trainer = L.Trainer(
+        accelerator=run.accelerator,
+        devices=run.devices,
+        num_nodes=run.num_nodes,
+        strategy=build_strategy(run.strategy),
+        max_steps=run.max_steps,
+        accumulate_grad_batches=run.accumulate_grad_batches,
+        precision=run.precision,  # type: ignore[arg-type]
+        limit_val_batches=run.val_batches,
+        num_sanity_val_steps=0,
+        val_check_interval=None,
+        check_val_every_n_epoch=None if run.max_steps > 0 else 1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[monitor],
+        deterministic=True,
+    )
+    trainer.fit(model)
+    train_loss = float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan"))))
+    metrics = trainer.validate(model, verbose=False)[0]
+    summary = monitor.summary()
+    return {
+        "strategy": run.strategy,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "final_val_loss": float(metrics["val_loss"]),
+        "final_train_loss": train_loss,
+        **summary,
+    }
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainRun, Optional[str]]:
+    parser = argparse.ArgumentParser(description="Train the embedded workload (stdlib byte LM).")
+    defaults = TrainRun()
+    parser.add_argument("--strategy", default=defaults.strategy)
+    parser.add_argument("--devices", type=int, default=defaults.devices)
+    parser.add_argument("--accelerator", default=defaults.accelerator)
+    parser.add_argument("--num-nodes", type=int, default=defaults.num_nodes)
+    parser.add_argument("--max-steps", type=int, default=defaults.max_steps)
+    parser.add_argument("--accumulate", type=int, default=defaults.accumulate_grad_batches)
+    parser.add_argument("--precision", default=defaults.precision)
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--threads-per-rank", type=int, default=defaults.threads_per_rank)
+    parser.add_argument("--workload", default="{}", help="JSON overrides for WorkloadConfig")
+    parser.add_argument("--json-out", default=None, help="rank 0 writes its summary here")
+    a = parser.parse_args(argv)
+    run = TrainRun(
+        strategy=a.strategy,
+        devices=a.devices,
+        accelerator=a.accelerator,
+        num_nodes=a.num_nodes,
+        max_steps=a.max_steps,
+        accumulate_grad_batches=a.accumulate,
+        precision=a.precision,
+        seed=a.seed,
+        threads_per_rank=a.threads_per_rank,
+        workload=json.loads(a.workload),
+    )
+    return run, a.json_out
+
+
+def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
+    run, json_out = parse_args(argv)
+    result = train(run)
+    if result["rank"] == 0:
+        print(json.dumps(result))
+        if json_out:
+            with open(json_out, "w") as fh:
+                json.dump({"run": asdict(run), "result": result}, fh)
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
