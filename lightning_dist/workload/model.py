@@ -41,6 +41,14 @@ class WorkloadConfig:
     seed: int = 1234
     """Seed for initial weights."""
 
+    @classmethod
+    def tiny(cls, **overrides: Any) -> WorkloadConfig:
+        """A few-second size for tests: same code paths, 40 kB of text, one small block."""
+        sizes: dict[str, Any] = dict(
+            d_model=32, n_layers=1, n_heads=2, seq_len=32, batch_size=4, train_bytes=40_000, val_bytes=8_000
+        )
+        return cls(**{**sizes, **overrides})
+
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")

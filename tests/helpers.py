@@ -1,0 +1,49 @@
+"""Shared helpers for tests that run scripts in child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_script(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a command (``python`` prepended when it starts with a .py path); fail with its output."""
+    cmd = [sys.executable, *args] if args[0].endswith(".py") else args
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def load_rank(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    weights = torch.load(out / f"rank{rank}.pt")
+    info = json.loads((out / f"rank{rank}.json").read_text())
+    return weights, info
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)

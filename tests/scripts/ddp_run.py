@@ -1,0 +1,68 @@
+"""Fit the tiny workload with a strategy and save each rank's final weights and counters.
+
+    python tests/scripts/ddp_run.py --strategy ld_ddp --out DIR [--accumulate 2] [--devices 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+
+import lightning_dist
+from lightning_dist import collectives
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="ld_ddp")
+    p.add_argument("--start-method", default=None)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    strategy: object = a.strategy
+    if a.strategy == "DDP":
+        strategy = lightning_dist.DDP(start_method=a.start_method or "auto")
+    L.seed_everything(7, verbose=False)
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=a.devices,
+        strategy=strategy,
+        max_steps=a.max_steps,
+        accumulate_grad_batches=a.accumulate,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        deterministic=True,
+    )
+    collectives.reset_stats()
+    trainer.fit(model)
+    rank = trainer.global_rank
+    os.makedirs(a.out, exist_ok=True)
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt"))
+    hook_state = getattr(trainer.strategy, "hook_state", None)
+    info = {
+        "world_size": trainer.world_size,
+        "hook_calls": getattr(hook_state, "calls", None),
+        "all_reduce_calls": collectives.stats().snapshot().get("all_reduce.calls", 0),
+        "all_reduce_bytes_sent": collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
+        "global_step": trainer.global_step,
+        "train_loss": float(trainer.callback_metrics["train_loss"]),
+    }
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(info, fh)
+
+
+if __name__ == "__main__":
+    main()
