@@ -3,10 +3,13 @@ accumulation, launch modes, argument errors."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 from helpers import SCRIPTS, assert_same_weights, load_rank, run_script
+
+sys.path.insert(0, str(SCRIPTS))
 
 from lightning_dist import DDP
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
@@ -82,3 +85,22 @@ def test_registered_names_resolve_to_ddp() -> None:
     for name in ("ld_ddp", "ld_ddp_spawn", "ld_ddp_fork", "ld_ddp_notebook", "ld_ddp_adasum"):
         assert StrategyRegistry[name]["strategy"] is DDP
     assert StrategyRegistry["ld_ddp_adasum"]["init_params"]["reduce_op"] == "adasum"
+
+
+def test_torchmetrics_and_sync_dist_logging_are_global(tmp_path: Path) -> None:
+    import json
+
+    import torchmetrics
+
+    out = tmp_path / "metrics.json"
+    run_script([str(SCRIPTS / "metric_run.py"), "--strategy", "ld_ddp", "--out", str(out)])
+    got = json.loads(out.read_text())
+    from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
+
+    logits, target = dataset().tensors
+    expected = torchmetrics.functional.accuracy(logits, target, task="multiclass", num_classes=CLASSES, average="micro")
+    assert got["seen_rank0"] == N // 2, "each rank validated its own shard"
+    assert got["acc"] == pytest.approx(float(expected), abs=1e-6)
+    assert got["rank_plus_one"] == pytest.approx(1.5)
+    # reduce_fx="sum" sums over ranks and over the epoch's batches: (1 + 2) x 4 batches per rank
+    assert got["rank_sum"] == pytest.approx(3.0 * (N // 2) / 5)
