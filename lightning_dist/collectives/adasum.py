@@ -17,13 +17,15 @@ N once each way for a folded rank. Messages are cut into ``CHUNK_BYTES`` pieces 
 overlap the transfer.
 
 Dot products and norms are accumulated in float64; fp16/bf16 inputs are combined in float32 and
-travel in their own dtype. As in Horovod, a squared norm below ``NORM_SQ_FLOOR`` counts as zero (its
-coefficient is 1), so adasum(0, b) == b.
+travel in their own dtype. As in Horovod, a squared norm below ``NORM_SQ_FLOOR`` (sqrt of the
+smallest normal double) counts as zero: its coefficient is 1, so adasum(0, b) == b.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
@@ -34,8 +36,8 @@ from torch import Tensor
 from lightning_dist.collectives.communicator import Communicator, register_adasum
 from lightning_dist.collectives.torch_backend import TorchBackend
 
-NORM_SQ_FLOOR = 1e-8
-"""Squared norms below this count as zero, as in Horovod's ``FusedPairwiseReduceWithComm``."""
+NORM_SQ_FLOOR = math.sqrt(sys.float_info.min)
+"""Squared norms below this count as zero, as in Horovod 0.28's ``FusedPairwiseReduceWithComm``."""
 
 CHUNK_BYTES = 1 << 20
 """Largest message; smaller messages let Gloo stream faster and let compute overlap the transfer."""
