@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 

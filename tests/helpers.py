@@ -27,9 +27,13 @@ def child_env(**extra: str) -> dict[str, str]:
 def run_script(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
     """Run a command (``python`` prepended when it starts with a .py path); fail with its output."""
     cmd = [sys.executable, *args] if args[0].endswith(".py") else args
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=ROOT)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=ROOT
+    )
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

@@ -13,7 +13,9 @@ from lightning_dist.testing import run_in_threads
 WORLD_SIZES = [2, 3]
 
 
-def rank_tensor(rank: int, shape: tuple[int, ...] = (5, 3), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def rank_tensor(
+    rank: int, shape: tuple[int, ...] = (5, 3), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 + rank)
     return torch.randn(shape, generator=gen).to(dtype)
 

@@ -56,7 +56,9 @@ def test_hook_runs_on_cpu_and_accumulation_syncs_once_per_k(tmp_path: Path) -> N
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_spawn_and_fork_launch_match_popen(tmp_path: Path, start_method: str) -> None:
     popen = fit(tmp_path, "popen", "--strategy", "DDP", "--start-method", "popen", "--max-steps", "3")
-    other = fit(tmp_path, start_method, "--strategy", "DDP", "--start-method", start_method, "--max-steps", "3")
+    other = fit(
+        tmp_path, start_method, "--strategy", "DDP", "--start-method", start_method, "--max-steps", "3"
+    )
     w_popen, _ = load_rank(popen, 0)
     w_other, info = load_rank(other, 0)
     assert info["world_size"] == 2
@@ -66,7 +68,10 @@ def test_spawn_and_fork_launch_match_popen(tmp_path: Path, start_method: str) ->
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"process_group_backend": "tcp"}, r"process_group_backend='tcp'.*accepted: None, 'gloo', 'nccl', 'mpi'"),
+        (
+            {"process_group_backend": "tcp"},
+            r"process_group_backend='tcp'.*accepted: None, 'gloo', 'nccl', 'mpi'",
+        ),
         ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a number > 0"),
         ({"bucket_cap_mb": -5.0}, r"bucket_cap_mb=-5.0 must be a number > 0"),
         ({"bucket_size": 25}, r"unknown option\(s\) bucket_size; accepted: .*bucket_cap_mb"),
@@ -98,7 +103,9 @@ def test_torchmetrics_and_sync_dist_logging_are_global(tmp_path: Path) -> None:
     from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
 
     logits, target = dataset().tensors
-    expected = torchmetrics.functional.accuracy(logits, target, task="multiclass", num_classes=CLASSES, average="micro")
+    expected = torchmetrics.functional.accuracy(
+        logits, target, task="multiclass", num_classes=CLASSES, average="micro"
+    )
     assert got["seen_rank0"] == N // 2, "each rank validated its own shard"
     assert got["acc"] == pytest.approx(float(expected), abs=1e-6)
     assert got["rank_plus_one"] == pytest.approx(1.5)

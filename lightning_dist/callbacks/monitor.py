@@ -30,7 +30,9 @@ class CommMonitor(L.Callback):
         self._base: dict[str, float] = {}
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
         self._base = collectives.stats().snapshot()
 

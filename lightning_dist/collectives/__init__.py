@@ -70,7 +70,11 @@ def current() -> Communicator:
         return _installed
     if dist.is_available() and dist.is_initialized():
         world = dist.group.WORLD
-        if _default is None or not isinstance(_default.backend, TorchBackend) or _default.backend.group is not world:
+        if (
+            _default is None
+            or not isinstance(_default.backend, TorchBackend)
+            or _default.backend.group is not world
+        ):
             _default = Communicator(TorchBackend(world))
         return _default
     if _default is None or not isinstance(_default.backend, SingleProcessBackend):

@@ -18,7 +18,9 @@ def check_reduce_op(op: str) -> str:
     name = str(op).lower()
     name = {"mean": "avg", "average": "avg", "add": "sum"}.get(name, name)
     if name not in REDUCE_OPS:
-        raise ValueError(f"op={op!r} is not a reduction this library knows; accepted: {', '.join(REDUCE_OPS)}")
+        raise ValueError(
+            f"op={op!r} is not a reduction this library knows; accepted: {', '.join(REDUCE_OPS)}"
+        )
     return name
 
 

@@ -14,8 +14,8 @@ At world size 1 every count is zero.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -86,10 +86,10 @@ class Communicator:
         tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
         single = isinstance(tensor, Tensor)
         if self.world_size == 1:
-            if op == "adasum" or op in ("sum", "avg", "min", "max"):
-                return completed_future(tensor if single else tensors)
+            return completed_future(tensor if single else tensors)
         if op == "adasum":
-            return completed_future(self._adasum(tensors)[0] if single else self._adasum(tensors))
+            reduced = self._adasum(tensors)
+            return completed_future(reduced[0] if single else reduced)
         if single:
             t = tensors[0]
             fut = self.backend.all_reduce(t, op)
@@ -157,7 +157,9 @@ class Communicator:
             return self._account("all_gather", (w - 1) * n, (w - 1) * n, self.backend.all_gather(tensor))
         shape = torch.tensor(list(tensor.shape), dtype=torch.int64)
         shapes_fut = self.backend.all_gather(self.backend._to_device(shape))
-        self._account("all_gather", (w - 1) * _nbytes(shape), (w - 1) * _nbytes(shape), completed_future(None))
+        self._account(
+            "all_gather", (w - 1) * _nbytes(shape), (w - 1) * _nbytes(shape), completed_future(None)
+        )
         shapes = [s.cpu() for s in shapes_fut.wait()]
         rest = tuple(tensor.shape[1:])
         for s in shapes:

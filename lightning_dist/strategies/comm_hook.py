@@ -19,7 +19,9 @@ class CollectivesHookState:
     calls: int = 0
 
 
-def collectives_hook(state: CollectivesHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def collectives_hook(
+    state: CollectivesHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket: fused for sum/avg, per parameter tensor for Adasum."""
     state.calls += 1
     comm = collectives.current()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -163,8 +164,14 @@ class DDP(DDPStrategy):
             ("ld_ddp_notebook", "fork"),
         ):
             strategy_registry.register(
-                name, cls, description=f"lightning_dist DDP, start_method={start_method!r}", start_method=start_method
+                name,
+                cls,
+                description=f"lightning_dist DDP, start_method={start_method!r}",
+                start_method=start_method,
             )
         strategy_registry.register(
-            "ld_ddp_adasum", cls, description="lightning_dist DDP with gradient-space Adasum", reduce_op="adasum"
+            "ld_ddp_adasum",
+            cls,
+            description="lightning_dist DDP with gradient-space Adasum",
+            reduce_op="adasum",
         )

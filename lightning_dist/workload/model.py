@@ -79,7 +79,9 @@ class TinyCausalLM(L.LightningModule):
             self.blocks = nn.TransformerEncoder(layer, cfg.n_layers, enable_nested_tensor=False)
             self.norm = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, VOCAB_SIZE)
-        self.register_buffer("causal_mask", nn.Transformer.generate_square_subsequent_mask(cfg.seq_len), persistent=False)
+        self.register_buffer(
+            "causal_mask", nn.Transformer.generate_square_subsequent_mask(cfg.seq_len), persistent=False
+        )
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=VOCAB_SIZE, average="micro")
 
     def forward(self, tokens: Tensor) -> Tensor:

@@ -83,6 +83,7 @@ def train(run: TrainRun) -> dict[str, Any]:
         "final_val_loss": float(metrics["val_loss"]),
         "final_train_loss": train_loss,
         **summary,
+        "step_seconds": monitor.step_seconds[monitor.warmup :],
     }
 
 

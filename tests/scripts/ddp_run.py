@@ -1,6 +1,6 @@
 """Fit the tiny workload with a strategy and save each rank's final weights and counters.
 
-    python tests/scripts/ddp_run.py --strategy ld_ddp --out DIR [--accumulate 2] [--devices 2]
+python tests/scripts/ddp_run.py --strategy ld_ddp --out DIR [--accumulate 2] [--devices 2]
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ def main() -> None:
     trainer.fit(model)
     rank = trainer.global_rank
     os.makedirs(a.out, exist_ok=True)
-    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt"))
+    torch.save(
+        {k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt")
+    )
     hook_state = getattr(trainer.strategy, "hook_state", None)
     info = {
         "world_size": trainer.world_size,

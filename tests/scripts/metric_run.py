@@ -1,6 +1,6 @@
 """Validate with 2 ranks: a torchmetrics Accuracy and sync_dist logging must give global values.
 
-    python tests/scripts/metric_run.py --strategy ld_ddp --out FILE
+python tests/scripts/metric_run.py --strategy ld_ddp --out FILE
 """
 
 from __future__ import annotations
@@ -50,7 +50,12 @@ def main() -> None:
     a = p.parse_args()
     model = Probe()
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=a.strategy, logger=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        devices=2,
+        strategy=a.strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     metrics = trainer.validate(model, verbose=False)[0]
     if trainer.global_rank == 0:

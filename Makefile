@@ -1,0 +1,35 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install-horovod.sh scripts/install-system-deps.sh
+	scripts/install-system-deps.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,notebooks,horovod]"
+	PYTHON=$(PY) scripts/install-horovod.sh
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m lightning_dist.cli demo
+
+test: setup
+	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check lightning_dist tests examples benchmarks
+	$(VENV)/bin/ruff format --check lightning_dist tests examples benchmarks
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) benchmarks/bench_ddp_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache lightning_logs

@@ -1,0 +1,49 @@
+"""`lightning-dist` command: demo, env check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+
+def _env() -> int:
+    import platform
+    import shutil
+
+    import lightning
+    import torch
+
+    print(f"python      {platform.python_version()}")
+    print(f"torch       {torch.__version__} (cuda available: {torch.cuda.is_available()})")
+    print(f"lightning   {lightning.__version__}")
+    print(
+        f"gloo        {torch.distributed.is_gloo_available()}  nccl {torch.distributed.is_nccl_available()}"
+    )
+    try:
+        import horovod
+
+        print(f"horovod     {horovod.__version__}")
+    except ImportError:
+        print("horovod     not installed (scripts/install-horovod.sh builds it against this torch)")
+    for tool in ("mpirun", "horovodrun", "torchrun", "srun", "sbatch"):
+        print(f"{tool:<11} {shutil.which(tool) or 'not found'}")
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-dist")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train the embedded workload with every strategy, print a table")
+    demo.add_argument("--steps", type=int, default=100)
+    sub.add_parser("env", help="print versions and which launchers/backends are available")
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from lightning_dist.demo import main as demo_main
+
+        return demo_main(args.steps, extra)
+    return _env()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
