@@ -1,0 +1,310 @@
+"""Adasum math and the collective: the pairwise rule, the reference tree, and the
+vector-halving/distance-doubling exchange at 2-5 ranks over real Gloo groups (threads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.futures import Future
+
+from lightning_dist.collectives import Backend, Communicator, SingleProcessBackend, TorchBackend
+from lightning_dist.collectives import adasum as adasum_mod
+from lightning_dist.collectives.adasum import adasum_all_reduce, adasum_pair, adasum_reference
+from lightning_dist.testing import run_in_threads
+
+SHAPES = [(5, 3), (7,), (1,), (4, 4, 2), (0,), (33,)]
+
+
+def rank_tensors(rank: int, dtype: torch.dtype = torch.float32, shapes: list = SHAPES) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(2000 + rank)
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def formula(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.double().flatten(), b.double().flatten()
+    dot = a @ b
+    return a * (1 - dot / (2 * (a @ a))) + b * (1 - dot / (2 * (b @ b)))
+
+
+def adasum_threads(world_size: int, make: Any) -> list[tuple[list[torch.Tensor], dict[str, float]]]:
+    """Each rank reduces ``make(rank)`` with op='adasum'; returns (outputs, stats) per rank."""
+
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], dict[str, float]]:
+        ts = make(comm.rank)
+        out = comm.all_reduce(ts, op="adasum")
+        assert all(o is t for o, t in zip(out, ts, strict=True)), "adasum works in place"
+        return ts, comm.stats.snapshot()
+
+    return run_in_threads(world_size, body)
+
+
+def assert_ranks_identical(results: list[tuple[list[torch.Tensor], dict[str, float]]]) -> None:
+    for outs, _ in results[1:]:
+        for x, y in zip(outs, results[0][0], strict=True):
+            assert torch.equal(x, y), "every rank must end with bitwise the same result"
+
+
+# -- the pairwise rule and the reference ------------------------------------------------------------
+def test_orthogonal_inputs_give_their_sum() -> None:
+    a, b = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 2.0, 0.0])
+    torch.testing.assert_close(adasum_pair(a, b).float(), a + b)
+    torch.testing.assert_close(adasum_reference([a, b]), a + b)
+
+
+def test_identical_inputs_give_the_input() -> None:
+    a = torch.randn(10, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(adasum_pair(a, a).float(), a)
+    for world_size in (2, 3, 4, 5):
+        torch.testing.assert_close(adasum_reference([a] * world_size), a)
+
+
+def test_opposite_inputs_cancel_and_zero_norm_guard() -> None:
+    a = torch.tensor([1.0, -2.0, 3.0])
+    torch.testing.assert_close(adasum_pair(a, -a).float(), torch.zeros(3))
+    zero = torch.zeros(3)
+    torch.testing.assert_close(adasum_pair(zero, a).float(), a)
+    torch.testing.assert_close(adasum_pair(a, zero).float(), a)
+    torch.testing.assert_close(adasum_pair(zero, zero).float(), zero)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(-100, 100), min_size=1, max_size=12),
+    st.lists(st.floats(-100, 100), min_size=1, max_size=12),
+    st.floats(0.01, 100),
+)
+def test_pair_matches_formula_symmetric_and_scale_equivariant(xs: list, ys: list, k: float) -> None:
+    n = min(len(xs), len(ys))
+    a, b = torch.tensor(xs[:n], dtype=torch.float64), torch.tensor(ys[:n], dtype=torch.float64)
+    out = adasum_pair(a, b)
+    torch.testing.assert_close(adasum_pair(b, a), out)
+    torch.testing.assert_close(adasum_pair(k * a, k * b), k * out, rtol=1e-9, atol=1e-9)
+    if float(a @ a) > 0 and float(b @ b) > 0:
+        torch.testing.assert_close(out, formula(a, b))
+
+
+def test_reference_tree_order() -> None:
+    """Power of two: pairs at distance 1, then 2; beyond it, rank r >= P folds into r - P first."""
+    xs = rank_tensors(0, shapes=[(6,)]) + rank_tensors(1, shapes=[(6,)]) + rank_tensors(2, shapes=[(6,)])
+    x3 = rank_tensors(3, shapes=[(6,)])[0]
+    four = formula(formula(xs[0], xs[1]), formula(xs[2], x3))
+    torch.testing.assert_close(
+        adasum_reference([xs[0], xs[1], xs[2], x3]).double(), four, rtol=1e-6, atol=1e-6
+    )
+    three = formula(formula(xs[0], xs[2]), xs[1])
+    torch.testing.assert_close(adasum_reference(xs).double(), three, rtol=1e-6, atol=1e-6)
+
+
+def test_reference_rejects_empty_and_ragged_inputs() -> None:
+    with pytest.raises(ValueError, match="per_rank_tensors"):
+        adasum_reference([])
+    with pytest.raises(ValueError, match="same number"):
+        adasum_reference([[torch.ones(2)], [torch.ones(2), torch.ones(2)]])
+
+
+# -- the collective ---------------------------------------------------------------------------------
+def test_two_ranks_match_the_formula() -> None:
+    results = adasum_threads(2, rank_tensors)
+    assert_ranks_identical(results)
+    for out, a, b in zip(results[0][0], rank_tensors(0), rank_tensors(1), strict=True):
+        if out.numel():
+            torch.testing.assert_close(out.double(), formula(a, b).reshape(out.shape), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_orthogonal_and_identical_at_many_ranks(world_size: int) -> None:
+    eye = torch.eye(world_size)
+    results = adasum_threads(world_size, lambda r: [eye[r].clone(), torch.arange(4.0) + 1])
+    for outs, _ in results:
+        torch.testing.assert_close(outs[0], torch.ones(world_size))
+        torch.testing.assert_close(outs[1], torch.arange(4.0) + 1)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 16])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+def test_collective_equals_reference(
+    world_size: int, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(adasum_mod, "CHUNK_BYTES", chunk_bytes)
+    results = adasum_threads(world_size, rank_tensors)
+    assert_ranks_identical(results)
+    expected = adasum_reference([rank_tensors(r) for r in range(world_size)])
+    for out, ref in zip(results[0][0], expected, strict=True):
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_many_small_tensors_in_one_chunk() -> None:
+    shapes = [(i % 5 + 1,) for i in range(40)]
+    results = adasum_threads(4, lambda r: rank_tensors(r, shapes=shapes))
+    expected = adasum_reference([rank_tensors(r, shapes=shapes) for r in range(4)])
+    for out, ref in zip(results[0][0], expected, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_other_dtypes(world_size: int, dtype: torch.dtype) -> None:
+    results = adasum_threads(world_size, lambda r: rank_tensors(r, dtype))
+    assert_ranks_identical(results)
+    expected = adasum_reference([rank_tensors(r, dtype) for r in range(world_size)])
+    tol = {torch.float16: 3e-3, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]
+    for out, ref in zip(results[0][0], expected, strict=True):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref.double(), rtol=tol, atol=tol)
+
+
+def test_mixed_dtypes_in_one_call() -> None:
+    def make(r: int) -> list[torch.Tensor]:
+        a, b, c = rank_tensors(r, shapes=[(8,), (3, 3), (5,)])
+        return [a, b.half(), c.double()]
+
+    results = adasum_threads(3, make)
+    expected = adasum_reference([make(r) for r in range(3)])
+    for out, ref in zip(results[0][0], expected, strict=True):
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, rtol=3e-3, atol=3e-3)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_zero_tensors(world_size: int) -> None:
+    def make(r: int) -> list[torch.Tensor]:
+        own = rank_tensors(r, shapes=[(6,)])[0]
+        return [torch.zeros(6), own if r == 0 else torch.zeros(6)]
+
+    results = adasum_threads(world_size, make)
+    for outs, _ in results:
+        torch.testing.assert_close(outs[0], torch.zeros(6))
+        torch.testing.assert_close(outs[1], rank_tensors(0, shapes=[(6,)])[0])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_single_tensor_in_place_and_non_contiguous(world_size: int) -> None:
+    def body(comm: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
+        a = rank_tensors(comm.rank, shapes=[(4, 6)])[0]
+        out = comm.all_reduce(a, op="adasum")
+        assert out is a
+        b = rank_tensors(comm.rank, shapes=[(6, 4)])[0].t()
+        comm.all_reduce([b], op="adasum")
+        return a, b
+
+    results = run_in_threads(world_size, body)
+    ref_a = adasum_reference([rank_tensors(r, shapes=[(4, 6)])[0] for r in range(world_size)])
+    ref_b = adasum_reference([rank_tensors(r, shapes=[(6, 4)])[0].t() for r in range(world_size)])
+    for a, b in results:
+        torch.testing.assert_close(a, ref_a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b, ref_b, rtol=1e-5, atol=1e-6)
+
+
+def vhdd_bytes(n: int, elsize: int, ntensors: int, rank: int, world: int) -> int:
+    """Bytes ``rank`` sends in the exchange for one fused buffer of ``n`` elements."""
+    p2 = 1 << (world.bit_length() - 1)
+    if rank >= p2:
+        return n * elsize
+    sent = n * elsize if rank < world - p2 else 0
+    lo, hi, level, splits = 0, n, 1, []
+    while level < p2:
+        left = (rank & level) == 0
+        mid = lo + (hi - lo) // 2
+        sent += (hi - mid if left else mid - lo) * elsize
+        sent += 24 * ntensors * (level.bit_length())
+        splits.append((lo, mid, hi, left))
+        lo, hi = (lo, mid) if left else (mid, hi)
+        level *= 2
+    for lo, mid, hi, left in splits:
+        sent += (mid - lo if left else hi - mid) * elsize
+    return sent
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bytes_counted_are_the_bytes_sent(world_size: int) -> None:
+    shapes = [(64,), (36,)]
+    results = adasum_threads(world_size, lambda r: rank_tensors(r, shapes=shapes))
+    total_sent = total_received = 0
+    for rank, (_, snap) in enumerate(results):
+        assert snap["adasum.calls"] == 1
+        assert snap["adasum.bytes_sent"] == vhdd_bytes(100, 4, 2, rank, world_size)
+        total_sent += snap["adasum.bytes_sent"]
+        total_received += snap["adasum.bytes_received"]
+    assert total_sent == total_received
+    if world_size in (2, 4):
+        data = 2 * 100 * 4 * (world_size - 1) // world_size
+        assert results[0][1]["adasum.bytes_sent"] - data < 24 * 2 * world_size, "O(size) bytes per rank"
+
+
+def test_module_level_all_reduce_and_world_size_one() -> None:
+    comm = Communicator(SingleProcessBackend())
+    t = torch.arange(3.0)
+    assert comm.all_reduce(t, op="adasum") is t
+    torch.testing.assert_close(t, torch.arange(3.0))
+    assert adasum_all_reduce(comm, [t]) == [t]
+    assert comm.stats.bytes_sent == 0
+
+
+def test_rejects_integer_tensors() -> None:
+    def body(comm: Communicator) -> str:
+        with pytest.raises(ValueError, match="float16, bfloat16, float32, float64"):
+            comm.all_reduce([torch.ones(2), torch.ones(2, dtype=torch.int64)], op="adasum")
+        return "ok"
+
+    assert run_in_threads(2, body) == ["ok", "ok"]
+
+
+class FutureOnlyBackend(Backend):
+    """Delegates to a TorchBackend but is not one, so Adasum takes the generic futures path."""
+
+    def __init__(self, inner: TorchBackend) -> None:
+        self.inner = inner
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> Future:
+        return self.inner.all_reduce(tensor, op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Future:
+        return self.inner.broadcast(tensor, src)
+
+    def all_gather(self, tensor: torch.Tensor) -> Future:
+        return self.inner.all_gather(tensor)
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: str) -> Future:
+        return self.inner.reduce_scatter(output, inputs, op)
+
+    def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Future:
+        return self.inner.all_to_all(outputs, inputs)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Future:
+        return self.inner.send(tensor, dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Future:
+        return self.inner.recv(tensor, src)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_generic_backend_futures_path(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adasum_mod, "CHUNK_BYTES", 64)
+
+    def body(comm: Communicator) -> list[torch.Tensor]:
+        assert isinstance(comm.backend, TorchBackend)
+        wrapped = Communicator(FutureOnlyBackend(comm.backend), stats=comm.stats)
+        ts = rank_tensors(comm.rank)
+        wrapped.all_reduce(ts, op="adasum")
+        return ts
+
+    expected = adasum_reference([rank_tensors(r) for r in range(world_size)])
+    for outs in run_in_threads(world_size, body):
+        for out, ref in zip(outs, expected, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
