@@ -1,0 +1,135 @@
+"""HorovodBackend and Adasum against Horovod's MPI Adasum, under ``mpirun -np 2`` and ``-np 4``.
+
+One run of ``tests/scripts/hvd_check.py`` per world size (module-scoped) computes, in the same
+processes, Horovod's Adasum, lightning_dist's Adasum over a Gloo group, and the HorovodBackend
+collectives; the tests read its per-rank results. Skipped only when horovod or mpirun is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lightning_dist.collectives.horovod_backend import HorovodBackend, import_horovod
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "hvd_check.py"
+TIMEOUT_S = 240
+
+
+def _horovod_missing() -> str | None:
+    if importlib.util.find_spec("horovod") is None or importlib.util.find_spec("horovod.torch") is None:
+        return "horovod is not installed (scripts/install-horovod.sh builds it)"
+    if shutil.which("mpirun") is None:
+        return "mpirun is not on PATH (Debian: apt-get install -y openmpi-bin libopenmpi-dev)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mpirun(np: int) -> list[dict[str, Any]]:
+    """Run the check script on ``np`` ranks; kill the whole process group on timeout or failure."""
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
+    cmd = [
+        "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np),
+        "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}", "-x", "OMP_NUM_THREADS=1",
+        "-x", "PYTHONPATH", sys.executable, str(SCRIPT),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"mpirun -np {np} did not finish in {TIMEOUT_S}s\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, f"mpirun -np {np} failed ({proc.returncode})\n{out[-3000:]}\n{err[-5000:]}"
+    results = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+    assert sorted(r["rank"] for r in results) == list(range(np)), f"missing ranks in output:\n{out}\n{err}"
+    return sorted(results, key=lambda r: r["rank"])
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"np{n}")
+def mpi_results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    reason = _horovod_missing()
+    if reason:
+        pytest.skip(reason)
+    return run_mpirun(request.param)
+
+
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_adasum_matches_horovod_mpi_adasum(mpi_results: list[dict[str, Any]]) -> None:
+    for result in mpi_results:
+        errs = result["adasum"]
+        assert errs["ours_vs_horovod"] < 1e-5, errs
+        assert errs["ours_vs_reference"] < 1e-5, errs
+        assert errs["horovod_vs_reference"] < 1e-5, errs
+        assert errs["native_vs_horovod"] == 0.0, "HorovodBackend.adasum is hvd.Adasum itself"
+
+
+@pytest.mark.horovod
+@pytest.mark.slow
+def test_horovod_backend_collectives(mpi_results: list[dict[str, Any]]) -> None:
+    for result in mpi_results:
+        failed = [name for name, ok in result["backend"].items() if not ok]
+        assert not failed, f"rank {result['rank']} of {result['size']}: {failed}"
+        assert len(result["backend"]) >= 17
+
+
+def test_missing_horovod_points_to_install_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)
+    with pytest.raises(ImportError, match="scripts/install-horovod.sh"):
+        import_horovod()
+    with pytest.raises(ImportError, match="scripts/install-horovod.sh"):
+        HorovodBackend()
+
+
+def _fake_backend(**hvd: Any) -> HorovodBackend:
+    """A HorovodBackend over a stand-in ``hvd`` (no Horovod job needed for the checks)."""
+    backend = HorovodBackend.__new__(HorovodBackend)
+    defaults = dict(mpi_built=True, mpi_enabled=True, nccl_built=False, size=2, local_size=2)
+    defaults.update(hvd)
+    backend.hvd = SimpleNamespace(**{k: (lambda v=v: v) for k, v in defaults.items()})
+    return backend
+
+
+def test_check_adasum_errors_say_what_to_change() -> None:
+    _fake_backend().check_adasum()
+    with pytest.raises(RuntimeError, match="built without"):
+        _fake_backend(mpi_built=False).check_adasum()
+    with pytest.raises(RuntimeError, match="horovodrun --mpi"):
+        _fake_backend(mpi_enabled=False).check_adasum()
+    with pytest.raises(ValueError, match="power-of-two world size; got 3.*reduce_op='adasum'"):
+        _fake_backend(size=3).check_adasum()
+    with pytest.raises(ValueError, match="power-of-two number of nodes; got 3"):
+        _fake_backend(nccl_built=True, size=6, local_size=2).check_adasum("cuda")
+    _fake_backend(nccl_built=True, size=6, local_size=3).check_adasum("cuda")
