@@ -43,7 +43,9 @@ def step(comps: list[Compressor], grads: Grads, key: Any = 0) -> list[torch.Tens
     )
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
-            assert torch.equal(a, b), "ranks must decode identical tensors"
+            torch.testing.assert_close(
+                a, b, rtol=0, atol=0, equal_nan=True, msg="ranks must decode identical tensors"
+            )
     return results[0]
 
 
@@ -415,6 +417,35 @@ def test_error_feedback_residual_is_exactly_what_was_not_sent(name: str, options
         else:
             residual += entry["residual"].double()
     assert torch.allclose(sent, true - residual / w, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+@pytest.mark.parametrize(
+    ("name", "options"), [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {}), *EF_CASES]
+)
+def test_non_finite_gradient_is_reported_and_leaves_state_alone(
+    name: str, options: dict[str, Any], bad: float
+) -> None:
+    """An fp16 overflow must reach the GradScaler (non-finite output) and not poison the state."""
+    w, shapes = 2, [(12, 10), (30,)]
+    hit, clean = ranks(name, w, **options), ranks(name, w, **options)
+    first = rank_grads(w, shapes, 0)
+    step(hit, first)
+    step(clean, first)
+    before = [c.state_dict()["keys"] for c in hit]
+    broken = rank_grads(w, shapes, 1)
+    broken[1][0][3, 4] = bad
+    out = step(hit, broken)
+    assert not all(bool(torch.isfinite(o).all()) for o in out)
+    for c, old in zip(hit, before, strict=True):
+        new = c.state_dict()["keys"]
+        for key, entry in old.items():
+            for field, value in entry.items():
+                if field != "step":
+                    assert repr(new[key][field]) == repr(value), f"{field} changed on a skipped step"
+    third = rank_grads(w, shapes, 2)
+    for a, b in zip(step(hit, third), step(clean, third), strict=True):
+        assert torch.equal(a, b)
 
 
 # -- state --------------------------------------------------------------------------------------

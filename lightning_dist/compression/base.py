@@ -231,6 +231,17 @@ def packed_bytes(specs: Sequence[tuple[torch.dtype, int]]) -> int:
     return sum(aligned(k * torch.empty((), dtype=d).element_size()) for d, k in specs)
 
 
+def all_finite(*tensors: Tensor) -> Tensor:
+    """A 0-d bool tensor, True when every entry is finite (no host sync)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
+
+
+def keep_if(ok: Tensor, new: Tensor, old: Optional[Tensor]) -> Tensor:
+    """``new`` where ``ok`` else ``old`` (zeros when there is none): state survives a skipped step."""
+    return torch.where(ok, new, torch.zeros((), device=new.device) if old is None else old)
+
+
 def stable_seed(*parts: object) -> int:
     """A seed that is the same in every process (unlike ``hash`` of a str)."""
     return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
@@ -309,6 +320,9 @@ class Compressor(ABC):
     by ``state_dict`` and restored by ``load_state_dict`` so a resumed run continues exactly. When
     the shapes seen under a key change (DDP rebuilds its buckets after the first step), that key's
     tensors are dropped and start afresh; its step counter is kept.
+
+    Non-finite gradients (fp16 loss scaling overflows) come out non-finite, so a GradScaler skips the
+    step, and leave the state (residuals, momentum, factors) as it was before the step.
     """
 
     name: ClassVar[str]

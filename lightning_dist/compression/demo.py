@@ -30,11 +30,13 @@ from lightning_dist.compression.base import (
     Round,
     Rounds,
     Shape,
+    all_finite,
     allgather_bytes,
     build_config,
     check_bool,
     check_int,
     flatten_fp32,
+    keep_if,
     pack,
     packed_bytes,
     unflatten,
@@ -108,14 +110,14 @@ class DeMo(Compressor):
         chunks = -(-n // cs)
         d = self._matrix(flat.device)
         coeff = F.pad(flat, (0, chunks * cs - n)).view(chunks, cs) @ d.T
-        momentum = st.get("momentum")
-        momentum = coeff if momentum is None else momentum.mul_(cfg.beta).add_(coeff)
+        old = st.get("momentum")
+        momentum = coeff if old is None else torch.add(coeff, old, alpha=cfg.beta)
         _, idx = momentum.abs().topk(k, dim=-1, sorted=False)
         values = momentum.gather(-1, idx)
-        st["momentum"] = momentum.scatter_(-1, idx, 0.0)
         specs = self._specs(n)
         gathered = yield Round("allgather", pack([values.view(-1), idx.to(specs[1][0]).view(-1)]))
         g_values, g_idx = unpack(gathered, specs)
+        st["momentum"] = keep_if(all_finite(g_values), momentum.scatter_(-1, idx, 0.0), old)
         base = (torch.arange(chunks, device=flat.device) * cs).repeat_interleave(k)
         dense = torch.zeros(chunks * cs, device=flat.device)
         for v, i in zip(g_values, g_idx, strict=True):

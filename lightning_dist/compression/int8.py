@@ -55,19 +55,24 @@ class Int8Config:
 
 
 def quantize(x: Tensor, gen: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
-    """Quantise ``x`` [..., chunks, chunk_size] to int8 with scales [..., chunks] (absmax / 127)."""
-    scale = x.abs().amax(dim=-1) / QMAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    y = x / safe.unsqueeze(-1)
+    """Quantise ``x`` [..., chunks, chunk_size] to int8 with scales [..., chunks] (absmax / 127).
+
+    A chunk holding inf or nan gets a non-finite scale, so it dequantises to non-finite values.
+    """
+    scale = torch.linalg.vector_norm(x, ord=math.inf, dim=-1).div_(QMAX)
+    inv = torch.where(scale > 0, scale.reciprocal(), torch.zeros((), device=x.device))
+    y = x * inv.unsqueeze(-1)
     if gen is None:
-        y = y.round_()
+        y.round_()
     else:
-        y = y.add_(torch.rand(y.shape, generator=gen, device=y.device, dtype=y.dtype)).floor_()
-    return y.clamp_(-QMAX, QMAX).to(torch.int8), scale
+        y.add_(torch.rand(y.shape, generator=gen, device=y.device, dtype=y.dtype)).floor_().clamp_(
+            -QMAX, QMAX
+        )
+    return y.to(torch.int8), scale
 
 
 def dequantize(q: Tensor, scale: Tensor) -> Tensor:
-    return q.float() * scale.unsqueeze(-1)
+    return torch.mul(q, scale.unsqueeze(-1))
 
 
 class Int8Quantization(Compressor):
@@ -105,7 +110,8 @@ class Int8Quantization(Compressor):
         q, scale = quantize(x, gens[0])
         received = yield Round("all_to_all", pack([scale, q.view(w, shard)]))
         r_scale, r_q = unpack(received, specs)
-        mine = dequantize(r_q.view(w, chunks, cs), r_scale).sum(dim=0).div_(w)
+        mine = dequantize(r_q.view(w, chunks, cs), r_scale / w)
+        mine = mine[0] if w == 1 else mine.sum(dim=0)
 
         q2, scale2 = quantize(mine, gens[1])
         gathered = yield Round("allgather", pack([scale2, q2.view(shard)]))

@@ -26,11 +26,13 @@ from lightning_dist.compression.base import (
     Round,
     Rounds,
     Shape,
+    all_finite,
     build_config,
     check_bool,
     check_int,
     flatten_fp32,
     generator,
+    keep_if,
     ring_allreduce_bytes,
     stable_seed,
     unflatten,
@@ -96,6 +98,25 @@ def orthogonalize_(p: Tensor) -> Tensor:
     return p
 
 
+def orthogonalize_all_(ps: list[Tensor]) -> list[Tensor]:
+    """Orthonormalise [B_i, n_i, r_i] batches at once: zero-padded to one batch, which changes nothing
+    (zero rows add nothing to norms or products; zero columns stay zero)."""
+    if len(ps) <= 1:
+        return [orthogonalize_(p) for p in ps]
+    rows = max(p.shape[1] for p in ps)
+    cols = max(p.shape[2] for p in ps)
+    padded = ps[0].new_zeros(sum(p.shape[0] for p in ps), rows, cols)
+    out: list[Tensor] = []
+    start = 0
+    for p in ps:
+        view = padded[start : start + p.shape[0], : p.shape[1], : p.shape[2]]
+        view.copy_(p)
+        out.append(view)
+        start += p.shape[0]
+    orthogonalize_(padded)
+    return out
+
+
 class PowerSGD(Compressor):
     """Low-rank gradient compression; all-reduce based, state: residuals and Q per shape group."""
 
@@ -158,6 +179,7 @@ class PowerSGD(Compressor):
 
         payload = torch.empty(p_numel + unc_numel, device=device)
         mats: list[Tensor] = []
+        used_q: list[Tensor] = []
         offset = 0
         for g in plan.groups:
             m = torch.stack([tensors[i].reshape(g.rows, g.cols) for i in g.members]).float()
@@ -169,6 +191,7 @@ class PowerSGD(Compressor):
             size = len(g.members) * g.rows * g.rank
             torch.bmm(m, q, out=payload[offset : offset + size].view(len(g.members), g.rows, g.rank))
             mats.append(m)
+            used_q.append(q)
             offset += size
         if unc:
             payload[offset:].copy_(flatten_fp32(unc)).div_(w)
@@ -178,9 +201,10 @@ class PowerSGD(Compressor):
         offset = 0
         for g in plan.groups:
             size = len(g.members) * g.rows * g.rank
-            ps.append(orthogonalize_(reduced[offset : offset + size].view(len(g.members), g.rows, g.rank)))
+            ps.append(reduced[offset : offset + size].view(len(g.members), g.rows, g.rank))
             offset += size
         unc_avg = reduced[offset:]
+        ps = orthogonalize_all_(ps)
 
         out: list[Optional[Tensor]] = [None] * len(tensors)
         if plan.groups:
@@ -196,16 +220,17 @@ class PowerSGD(Compressor):
                 )
                 offset += size
             reduced2 = yield Round("allreduce", payload2)
+            ok = all_finite(reduced, reduced2)
             offset = 0
-            for g, m, p in zip(plan.groups, mats, ps, strict=True):
+            for g, m, p, q_used in zip(plan.groups, mats, ps, used_q, strict=True):
                 size = len(g.members) * g.cols * g.rank
                 q = reduced2[offset : offset + size].view(len(g.members), g.cols, g.rank)
                 offset += size
                 approx = torch.bmm(p, q.transpose(1, 2)).div_(w)
                 if cfg.warm_start:
-                    qs[g.name] = q.clone()
+                    qs[g.name] = keep_if(ok, q, q_used)
                 if cfg.error_feedback:
-                    residuals[g.name] = m.sub_(approx)
+                    residuals[g.name] = keep_if(ok, m.sub_(approx), residuals.get(g.name))
                 for b, i in enumerate(g.members):
                     out[i] = approx[b].view(tensors[i].shape).to(tensors[i].dtype)
         for i, t in zip(plan.uncompressed, unflatten(unc_avg, unc), strict=True):

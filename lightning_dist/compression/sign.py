@@ -23,10 +23,12 @@ from lightning_dist.compression.base import (
     Round,
     Rounds,
     Shape,
+    all_finite,
     allgather_bytes,
     build_config,
     check_bool,
     flatten_fp32,
+    keep_if,
     pack,
     packed_bytes,
     unflatten,
@@ -87,18 +89,19 @@ class Sign(Compressor):
         st["step"] += 1
         flat = flatten_fp32(tensors)
         n = flat.numel()
-        acc = flat + st["residual"] if ef and "residual" in st else flat
+        old = st.get("residual") if ef else None
+        acc = flat + old if old is not None else flat
         chunks = -(-n // cs)
         x = F.pad(acc, (0, chunks * cs - n)).view(chunks, cs)
         counts = torch.full((chunks,), float(cs), device=x.device)
         counts[-1] = n - (chunks - 1) * cs
         scale = x.abs().sum(dim=-1).div_(counts)
         positive = x >= 0
-        if ef:
-            sent = torch.where(positive, scale.unsqueeze(-1), -scale.unsqueeze(-1))
-            st["residual"] = (x - sent).view(-1)[:n]
         gathered = yield Round("allgather", pack([scale, pack_bits(positive.view(-1))]))
         g_scale, g_bits = unpack(gathered, self._specs(n))
+        if ef:
+            sent = torch.where(positive, scale.unsqueeze(-1), -scale.unsqueeze(-1))
+            st["residual"] = keep_if(all_finite(g_scale), (x - sent).view(-1)[:n], old)
         out = torch.zeros(chunks, cs, device=x.device)
         for s, b in zip(g_scale, g_bits, strict=True):
             out.addcmul_(unpack_signs(b).view(chunks, cs), s.unsqueeze(-1))

@@ -18,10 +18,12 @@ from lightning_dist.compression.base import (
     Round,
     Rounds,
     Shape,
+    all_finite,
     allgather_bytes,
     build_config,
     check_bool,
     flatten_fp32,
+    keep_if,
     pack,
     packed_bytes,
     unflatten,
@@ -75,14 +77,15 @@ class TopK(Compressor):
         flat = flatten_fp32(tensors)
         n, k = flat.numel(), self.k(flat.numel())
         ef = self.config.error_feedback
-        acc = flat + st["residual"] if ef and "residual" in st else flat
+        old = st.get("residual") if ef else None
+        acc = flat + old if old is not None else flat
         _, idx = acc.abs().topk(k, sorted=False)
         values = acc[idx]
-        if ef:
-            st["residual"] = acc.index_fill(0, idx, 0.0)
         specs = [(torch.float32, k), (index_dtype(n), k)]
         gathered = yield Round("allgather", pack([values, idx.to(specs[1][0])]))
         g_values, g_idx = unpack(gathered, specs)
+        if ef:
+            st["residual"] = keep_if(all_finite(g_values), acc.index_fill(0, idx, 0.0), old)
         dense = scatter_ranks(n, g_idx, g_values).div_(ctx.world_size)
         return unflatten(dense, tensors)
 
