@@ -553,12 +553,17 @@ def test_exchange_protocol() -> None:
         c.exchange(0, torch.ones(4), world_size=2).run_local()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(COMPRESSORS))
-def test_world_size_one_local_run_keeps_dtype_and_shape(name: str) -> None:
-    ts = [torch.randn(6, 5).to(torch.bfloat16), torch.randn(5).to(torch.bfloat16)]
+def test_world_size_one_local_run_keeps_dtype_and_shape(name: str, dtype: torch.dtype) -> None:
+    ts = [torch.randn(6, 5).to(dtype), torch.randn(5).to(dtype)]
+    copies = [t.clone() for t in ts]
     out = make_compressor(name).exchange("k", ts).run_local()
     assert [o.shape for o in out] == [t.shape for t in ts]
-    assert all(o.dtype == torch.bfloat16 for o in out)
+    assert all(o.dtype == dtype for o in out)
+    assert all(torch.equal(t, c) for t, c in zip(ts, copies, strict=True)), "inputs are never written"
+    ex = make_compressor(name).exchange("e", [torch.zeros(0), torch.zeros(2, 0)], world_size=2)
+    assert ex.done and ex.num_rounds == 0 and [o.shape for o in ex.result or []] == [(0,), (2, 0)]
 
 
 # -- over a real transport ----------------------------------------------------------------------

@@ -359,6 +359,8 @@ class Compressor(ABC):
         ts = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         if not ts:
             raise ValueError(f"{self.name}: exchange needs at least one tensor")
+        if sum(t.numel() for t in ts) == 0:
+            return Exchange(_nothing_to_send(ts), world_size)
         return Exchange(self._rounds(key, ts, Context(world_size, rank, adasum)), world_size)
 
     @abstractmethod
@@ -402,6 +404,11 @@ class Compressor(ABC):
     def reset(self) -> None:
         """Forget all state (error feedback, warm-start factors, momentum, step counters)."""
         self._state.clear()
+
+
+def _nothing_to_send(tensors: list[Tensor]) -> Rounds:
+    return [t.clone() for t in tensors]
+    yield  # a generator with no rounds
 
 
 def _registry() -> dict[str, type[Compressor]]:

@@ -102,7 +102,7 @@ class Int8Quantization(Compressor):
         n = flat.numel()
         shard, chunks = self._layout(n, w)
         x = F.pad(flat, (0, w * shard - n)).view(w, chunks, cs)
-        gens = [None, None]
+        gens: list[Optional[torch.Generator]] = [None, None]
         if cfg.stochastic_rounding:
             gens = [generator(flat.device, stable_seed(cfg.seed, ctx.rank, key, step, i)) for i in (1, 2)]
         specs = [(torch.float32, chunks), (torch.int8, shard)]
