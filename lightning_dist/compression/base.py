@@ -330,6 +330,9 @@ class Compressor(ABC):
     """The collective its rounds use ("allreduce" compressors are Horovod-compatible)."""
     supports_adasum: ClassVar[bool] = False
     """Whether ``exchange(..., adasum=True)`` is allowed (its allreduce rounds then ask op="adasum")."""
+    per_tensor: ClassVar[bool] = False
+    """Whether it needs each parameter's gradient with its shape (``bucket.gradients()``); when
+    False the flat bucket (``[bucket.buffer()]``) is the cheaper input, with the same result."""
 
     config: Any
 

@@ -122,6 +122,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
     aggregation = "allreduce"
+    per_tensor = True
 
     def __init__(self, config: Optional[PowerSGDConfig] = None, **options: Any) -> None:
         super().__init__()
