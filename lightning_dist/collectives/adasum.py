@@ -129,14 +129,27 @@ class _Link:
         recv: Optional[Tensor],
         chunk: int,
         on_chunk: Optional[Callable[[int, int], None]] = None,
+        prepare: Optional[Callable[[int, int], None]] = None,
     ) -> None:
-        """Send ``send`` to ``peer`` and receive into ``recv``; ``on_chunk(start, stop)`` runs as
-        each received chunk lands. Both sides must pass matching sizes and the same ``chunk``."""
+        """Send ``send`` to ``peer`` and receive into ``recv``, both cut into ``chunk`` elements.
+
+        ``prepare(start, stop)`` computes a chunk of ``send`` just before it is posted (so the
+        computation overlaps the transfer); ``on_chunk(start, stop)`` runs as each received chunk
+        lands. Both sides must pass matching sizes and the same ``chunk``.
+        """
         sends = list(send.split(chunk)) if send is not None and send.numel() else []
         recvs = list(recv.split(chunk)) if recv is not None and recv.numel() else []
-        recv_first = self.strict and self.rank > peer
+        if prepare is not None and self.strict:
+            for i, part in enumerate(sends):
+                prepare(i * chunk, i * chunk + part.numel())
+            prepare = None
+        recv_first = prepare is not None or (self.strict and self.rank > peer)
         recv_work = [self._post_recv(t, peer) for t in recvs] if recv_first else []
-        send_work = [self._post_send(t, peer) for t in sends]
+        send_work = []
+        for i, part in enumerate(sends):
+            if prepare is not None:
+                prepare(i * chunk, i * chunk + part.numel())
+            send_work.append(self._post_send(part, peer))
         if not recv_first:
             recv_work = [self._post_recv(t, peer) for t in recvs]
         start = 0
@@ -192,9 +205,10 @@ class _FlatAdasum:
         send: Optional[Tensor],
         left: bool,
         block: int,
-    ) -> None:
-        """Receive ``theirs`` (the peer's values on ``keep``) while sending ``send``, then replace
-        flat[keep] with adasum(left, right) per tensor; partial sums are added over ``block``."""
+    ) -> tuple[list[float], list[float]]:
+        """Receive ``theirs`` (the peer's values on ``keep``) while sending ``send`` and return the
+        coefficients (mine, theirs) per tensor that make flat[keep] adasum(left, right); partial
+        sums are added over ``block`` ranks."""
         k0, k1 = keep
         flat = self.flat
         acc = torch.zeros(self.ntensors, 2, 2, dtype=torch.float64, device=flat.device)
@@ -220,7 +234,7 @@ class _FlatAdasum:
         coeffs = [adasum_coefficients(*row) for row in vec.tolist()]
         mine = [c[0] if left else c[1] for c in coeffs]
         other = [c[1] if left else c[0] for c in coeffs]
-        self.scaled_add(k0, k1, theirs, mine, other)
+        return mine, other
 
     def scaled_add(self, k0: int, k1: int, theirs: Tensor, cm: list[float], ct: list[float]) -> None:
         """flat[k0:k1] = cm[i] * flat + ct[i] * theirs on each tensor i's part (float32 for halves)."""
@@ -242,6 +256,16 @@ class _FlatAdasum:
             if self.half:
                 flat[s:e].copy_(dst)
 
+    def deferred_scaled_add(
+        self, k0: int, theirs: Tensor, cm: list[float], ct: list[float]
+    ) -> Callable[[int, int], None]:
+        """``scaled_add`` of the chunk [k0 + s, k0 + e), to run just before that chunk is sent."""
+
+        def run_chunk(s: int, e: int) -> None:
+            self.scaled_add(k0 + s, k0 + e, theirs[s:e], cm, ct)
+
+        return run_chunk
+
     def run(self) -> None:
         link, flat = self.link, self.flat
         rank, world = link.rank, link.world_size
@@ -254,24 +278,29 @@ class _FlatAdasum:
         folded = rank < world - p2
         theirs = flat.new_empty(n if folded else n - n // 2)
         if folded:
-            self.combine((0, n), theirs, rank + p2, None, left=True, block=0)
+            self.scaled_add(0, n, theirs, *self.combine((0, n), theirs, rank + p2, None, left=True, block=0))
         lo, hi = 0, n
         splits: list[tuple[int, int, int, bool]] = []
+        pending: Optional[Callable[[int, int], None]] = None
         level = 1
         while level < p2:
             left = (rank & level) == 0
             mid = lo + (hi - lo) // 2
-            keep, give = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
-            self.combine(
-                keep, theirs[: keep[1] - keep[0]], rank ^ level, flat[give[0] : give[1]], left, level
-            )
+            (k0, k1), give = ((lo, mid), (mid, hi)) if left else ((mid, hi), (lo, mid))
+            mine_theirs = theirs[: k1 - k0]
+            cm, ct = self.combine((k0, k1), mine_theirs, rank ^ level, flat[give[0] : give[1]], left, level)
+            if 2 * level < p2:
+                self.scaled_add(k0, k1, mine_theirs, cm, ct)
+            else:
+                pending = self.deferred_scaled_add(k0, mine_theirs, cm, ct)
             splits.append((lo, mid, hi, left))
-            lo, hi = keep
+            lo, hi = k0, k1
             level *= 2
         for lo, mid, hi, left in reversed(splits):
             level //= 2
             mine, other = (flat[lo:mid], flat[mid:hi]) if left else (flat[mid:hi], flat[lo:mid])
-            link.exchange(rank ^ level, mine, other, self.chunk)
+            link.exchange(rank ^ level, mine, other, self.chunk, prepare=pending)
+            pending = None
         if folded:
             link.exchange(rank + p2, flat, None, self.chunk)
 
