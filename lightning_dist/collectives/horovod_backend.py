@@ -124,14 +124,16 @@ class HorovodBackend(Backend):
         """Equal shapes in, list in rank order out (``Communicator`` pads unequal first dims)."""
         shape = tensor.shape
         work = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-        handle = self.hvd.allgather_async(work)
+        with torch.inference_mode(False):  # Horovod resizes its output in its own thread
+            handle = self.hvd.allgather_async(work)
         w = self.world_size
         return self._submit(handle, lambda out: list(out.reshape(w, *shape).unbind(0)))
 
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
         stacked = torch.stack([t.contiguous() for t in inputs])
         if op in ("sum", "avg"):
-            handle = self.hvd.reducescatter_async(stacked, op=self._ops[op])
+            with torch.inference_mode(False):  # output allocated and resized by Horovod's thread
+                handle = self.hvd.reducescatter_async(stacked, op=self._ops[op])
             return self._submit(handle, lambda out: output.copy_(out[0]))
         rank = self.rank
         handle = self.hvd.allreduce_async_(stacked, op=self._ops[op])
@@ -141,7 +143,8 @@ class HorovodBackend(Backend):
         send = torch.cat([t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1) for t in inputs])
         splits = torch.tensor([t.shape[0] if t.dim() else 1 for t in inputs], dtype=torch.int32)
         recv_rows = [t.shape[0] if t.dim() else 1 for t in outputs]
-        handle = self.hvd.alltoall_async(send, splits=splits)
+        with torch.inference_mode(False):  # output allocated and resized by Horovod's thread
+            handle = self.hvd.alltoall_async(send, splits=splits)
 
         def _split(result: Any) -> list[Tensor]:
             received = result[0] if isinstance(result, tuple) else result

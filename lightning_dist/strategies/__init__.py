@@ -3,7 +3,9 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.ddp import DDP
+from lightning_dist.strategies.horovod import Horovod, HorovodAdasum
 
-DDP.register_strategies(StrategyRegistry)
+for _strategy in (DDP, Horovod, HorovodAdasum):
+    _strategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DDP"]
+__all__ = ["DDP", "Horovod", "HorovodAdasum"]

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
-from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.collectives.autograd import all_gather_with_grad
+from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
 from lightning_dist.strategies.options import (
     check_choice,
@@ -30,7 +28,7 @@ START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 GRADIENT_REDUCE_OPS = ("avg", "sum", "adasum")
 
 
-class DDP(DDPStrategy):
+class DDP(CollectiveOpsMixin, DDPStrategy):
     """torch DistributedDataParallel under Lightning, with every bucket reduced by ``collectives``.
 
     Unlike Lightning's ``DDPStrategy``, the comm hook is registered on CPU as well as CUDA, so
@@ -125,33 +123,6 @@ class DDP(DDPStrategy):
     def teardown(self) -> None:
         super().teardown()
         collectives.use(None)
-
-    # -- collectives for Lightning (logging, metrics, checkpoints) --------------------------------
-    @override
-    def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
-    ) -> Union[Tensor, Any]:
-        if not isinstance(tensor, Tensor):
-            return tensor
-        op = reduce_op_name("reduce_op", reduce_op, ("sum", "avg", "min", "max"))
-        result = tensor.clone()
-        if op == "avg" and not result.is_floating_point():
-            result = result.float()
-        return collectives.all_reduce(result, op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        if sync_grads:
-            return all_gather_with_grad(collectives.current(), tensor)
-        return torch.stack(collectives.all_gather(tensor.contiguous(), same_shape=True))
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return collectives.broadcast_object(obj, src)
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        collectives.barrier()
 
     @classmethod
     @override

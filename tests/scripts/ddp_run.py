@@ -24,6 +24,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--clip", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -31,13 +33,14 @@ def main() -> None:
     if a.strategy == "DDP":
         strategy = lightning_dist.DDP(start_method=a.start_method or "auto")
     L.seed_everything(7, verbose=False)
-    model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=a.devices,
         strategy=strategy,
         max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate,
+        gradient_clip_val=a.clip,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         enable_checkpointing=False,

@@ -46,12 +46,13 @@ class Probe(L.LightningModule):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ld_ddp")
+    p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     model = Probe()
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=a.devices,
         strategy=a.strategy,
         logger=False,
         enable_progress_bar=False,

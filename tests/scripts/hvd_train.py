@@ -1,0 +1,90 @@
+"""Fit the tiny workload with a Horovod strategy; each rank saves its weights and counters.
+
+horovodrun --mpi -np 2 python tests/scripts/hvd_train.py --strategy horovod_adasum --out DIR
+mpirun -np 2 python tests/scripts/hvd_train.py --strategy horovod --accumulate 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning as L
+import torch
+
+import lightning_dist
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="horovod")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=8)
+    p.add_argument("--lr-scale", default="auto")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument("--clip", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    lr_scale = a.lr_scale if a.lr_scale == "auto" else float(a.lr_scale)
+    strategy = {
+        "horovod": lambda: lightning_dist.Horovod(lr_scale=lr_scale),
+        "horovod_fp16": lambda: lightning_dist.Horovod(compression="fp16", lr_scale=lr_scale),
+        "horovod_adasum": lambda: lightning_dist.HorovodAdasum(lr_scale=lr_scale),
+    }[a.strategy]()
+    L.seed_everything(7, verbose=False)
+    model = TinyCausalLM(
+        WorkloadConfig.tiny(
+            seed=7, batch_size=a.batch_size, optimizer=a.optimizer, lr=0.05 if a.optimizer == "sgd" else 3e-3
+        )
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=a.max_steps,
+        accumulate_grad_batches=a.accumulate,
+        precision=a.precision,  # type: ignore[arg-type]
+        gradient_clip_val=a.clip,
+        limit_val_batches=2,
+        val_check_interval=a.max_steps * a.accumulate,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        deterministic=True,
+    )
+    losses: list[float] = []
+
+    class Track(L.Callback):
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
+        ) -> None:  # type: ignore[no-untyped-def]
+            losses.append(float(outputs["loss"]))
+
+    trainer.callbacks.append(Track())
+    trainer.fit(model)
+    rank = trainer.global_rank
+    os.makedirs(a.out, exist_ok=True)
+    torch.save(
+        {k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt")
+    )
+    info = {
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "losses": losses,
+        "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
+        "lr_scale": strategy.applied_lr_scale,
+        "stats": lightning_dist.collectives.stats().snapshot(),
+    }
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(info, fh)
+
+
+if __name__ == "__main__":
+    main()

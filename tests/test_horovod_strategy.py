@@ -1,0 +1,198 @@
+"""Horovod and HorovodAdasum strategies under horovodrun/mpirun with 2 CPU ranks (MPI controller)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, SCRIPTS, assert_same_weights, child_env, load_rank, max_abs_diff, run_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.horovod]
+
+hvd = pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
+if shutil.which("mpirun") is None:
+    pytest.skip("mpirun not found (apt-get install openmpi-bin)", allow_module_level=True)
+
+ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+
+
+def mpirun(
+    np: int, script: str, *args: str, check: bool = True, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        "mpirun",
+        "-np",
+        str(np),
+        *ROOT_FLAGS,
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "OMP_NUM_THREADS",
+        sys.executable,
+        script,
+        *args,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def hvd_fit(tmp_path: Path, name: str, *args: str, np: int = 2) -> Path:
+    out = tmp_path / name
+    mpirun(np, str(SCRIPTS / "hvd_train.py"), "--out", str(out), *args)
+    return out
+
+
+def assert_trained_and_in_sync(out: Path) -> None:
+    w0, info0 = load_rank(out, 0)
+    w1, info1 = load_rank(out, 1)
+    assert info0["world_size"] == 2
+    assert_same_weights(w0, w1, atol=0)
+    losses = [(a + b) / 2 for a, b in zip(info0["losses"], info1["losses"])]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, f"loss did not fall: {losses}"
+
+
+def test_horovod_adasum_trains_under_horovodrun(tmp_path: Path) -> None:
+    out = tmp_path / "adasum"
+    cmd = ["horovodrun", "--mpi", "-np", "2", sys.executable, str(SCRIPTS / "hvd_train.py")]
+    proc = subprocess.run(
+        [*cmd, "--strategy", "horovod_adasum", "--max-steps", "12", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=child_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert_trained_and_in_sync(out)
+    _, info = load_rank(out, 0)
+    assert info["lr_scale"] == 1.0, "Adasum on CPU does not scale the learning rate"
+    assert info["stats"]["adasum.calls"] == 12, "one Adasum of the updates per optimizer step"
+
+
+def test_horovod_average_trains_and_matches_lightning_ddp_with_clipping(tmp_path: Path) -> None:
+    ours = hvd_fit(
+        tmp_path, "hvd", "--strategy", "horovod", "--lr-scale", "1", "--clip", "0.05", "--max-steps", "6"
+    )
+    ref = tmp_path / "ddp"
+    run_script(
+        [
+            str(SCRIPTS / "ddp_run.py"),
+            "--strategy",
+            "ddp",
+            "--clip",
+            "0.05",
+            "--max-steps",
+            "6",
+            "--out",
+            str(ref),
+        ]
+    )
+    w_ref, _ = load_rank(ref, 0)
+    w0, info0 = load_rank(ours, 0)
+    w1, _ = load_rank(ours, 1)
+    assert_same_weights(w0, w1, atol=0)
+    assert max_abs_diff(w0, w_ref) < 1e-5
+    unclipped = hvd_fit(tmp_path, "noclip", "--strategy", "horovod", "--lr-scale", "1", "--max-steps", "6")
+    assert max_abs_diff(load_rank(unclipped, 0)[0], w0) > 1e-4, "clipping at 0.05 must change the result"
+
+
+def test_horovod_average_loss_falls_with_auto_lr_scale(tmp_path: Path) -> None:
+    out = hvd_fit(tmp_path, "avg", "--strategy", "horovod", "--max-steps", "12")
+    assert_trained_and_in_sync(out)
+    assert load_rank(out, 0)[1]["lr_scale"] == 2.0, "Average scales the learning rate by the world size"
+
+
+@pytest.mark.parametrize("strategy", ["horovod", "horovod_adasum"])
+def test_accumulation_equals_doubled_batch(tmp_path: Path, strategy: str) -> None:
+    accumulated = hvd_fit(
+        tmp_path, "acc", "--strategy", strategy, "--accumulate", "2", "--optimizer", "sgd", "--max-steps", "5"
+    )
+    doubled = hvd_fit(
+        tmp_path, "big", "--strategy", strategy, "--batch-size", "8", "--optimizer", "sgd", "--max-steps", "5"
+    )
+    w_acc, info = load_rank(accumulated, 0)
+    w_big, _ = load_rank(doubled, 0)
+    assert info["global_step"] == 5
+    assert max_abs_diff(w_acc, w_big) < 1e-5
+    calls = (
+        info["stats"]["adasum.calls"] if strategy == "horovod_adasum" else info["stats"]["all_reduce.calls"]
+    )
+    big_calls = load_rank(doubled, 0)[1]["stats"]
+    assert calls == (
+        big_calls["adasum.calls"] if strategy == "horovod_adasum" else big_calls["all_reduce.calls"]
+    ) + (0 if strategy == "horovod_adasum" else 5), (
+        "accumulation adds no gradient communication (only the 5 extra train_loss syncs)"
+    )
+
+
+def test_torchmetrics_and_sync_dist_under_horovod(tmp_path: Path) -> None:
+    import torchmetrics
+
+    out = tmp_path / "metrics.json"
+    mpirun(2, str(SCRIPTS / "metric_run.py"), "--strategy", "horovod", "--devices", "1", "--out", str(out))
+    got = json.loads(out.read_text())
+    sys.path.insert(0, str(SCRIPTS))
+    from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
+
+    logits, target = dataset().tensors
+    expected = torchmetrics.functional.accuracy(
+        logits, target, task="multiclass", num_classes=CLASSES, average="micro"
+    )
+    assert got["seen_rank0"] == N // 2
+    assert got["acc"] == pytest.approx(float(expected), abs=1e-6)
+    assert got["rank_plus_one"] == pytest.approx(1.5)
+
+
+def test_adasum_refuses_gloo_controller_on_every_rank(tmp_path: Path) -> None:
+    cmd = ["horovodrun", "--gloo", "-np", "2", sys.executable, str(SCRIPTS / "hvd_train.py")]
+    proc = subprocess.run(
+        [*cmd, "--strategy", "horovod_adasum", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert text.count("needs the MPI controller") >= 2, text[-3000:]
+    assert "DDP(reduce_op='adasum')" in text
+
+
+def test_adasum_refuses_non_power_of_two_world(tmp_path: Path) -> None:
+    proc = mpirun(
+        3,
+        str(SCRIPTS / "hvd_train.py"),
+        "--strategy",
+        "horovod_adasum",
+        "--out",
+        str(tmp_path / "x"),
+        check=False,
+    )
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "power-of-two world size; got 3" in text and "DDP(reduce_op='adasum')" in text, text[-3000:]
+
+
+def test_adasum_refuses_fp16_precision(tmp_path: Path) -> None:
+    proc = mpirun(
+        2,
+        str(SCRIPTS / "hvd_train.py"),
+        "--strategy",
+        "horovod_adasum",
+        "--precision",
+        "16-true",
+        "--out",
+        str(tmp_path / "x"),
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "precision='16-true' is not supported with op='adasum'" in proc.stdout + proc.stderr
