@@ -49,6 +49,15 @@ def main() -> None:
         logger=False,
         deterministic=True,
     )
+    losses: list[float] = []
+
+    class Track(L.Callback):
+        def on_train_batch_end(
+            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
+        ) -> None:  # type: ignore[no-untyped-def]
+            losses.append(float(outputs["loss"]))
+
+    trainer.callbacks.append(Track())
     collectives.reset_stats()
     trainer.fit(model)
     rank = trainer.global_rank
@@ -64,6 +73,7 @@ def main() -> None:
         "all_reduce_bytes_sent": collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
         "global_step": trainer.global_step,
         "train_loss": float(trainer.callback_metrics["train_loss"]),
+        "losses": losses,
     }
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
         json.dump(info, fh)
