@@ -107,9 +107,17 @@ class HorovodBackend(Backend):
     def _submit(self, handle: int, finish: Callable[[Any], Any]) -> Future:
         return self._completer.submit(handle, finish)
 
+    def _op(self, op: str) -> Any:
+        if op not in self._ops:
+            raise ValueError(
+                f"HorovodBackend: op={op!r} is not an elementwise reduction; accepted: sum, avg, min, max "
+                "(Adasum goes through Communicator.all_reduce(..., op='adasum'))"
+            )
+        return self._ops[op]
+
     def all_reduce(self, tensor: Tensor, op: str) -> Future:
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        handle = self.hvd.allreduce_async_(work, op=self._ops[op])
+        handle = self.hvd.allreduce_async_(work, op=self._op(op))
         return self._submit(handle, lambda _: tensor if work is tensor else tensor.copy_(work))
 
     def broadcast(self, tensor: Tensor, src: int) -> Future:
@@ -133,10 +141,10 @@ class HorovodBackend(Backend):
         stacked = torch.stack([t.contiguous() for t in inputs])
         if op in ("sum", "avg"):
             with torch.inference_mode(False):  # output allocated and resized by Horovod's thread
-                handle = self.hvd.reducescatter_async(stacked, op=self._ops[op])
+                handle = self.hvd.reducescatter_async(stacked, op=self._op(op))
             return self._submit(handle, lambda out: output.copy_(out[0]))
         rank = self.rank
-        handle = self.hvd.allreduce_async_(stacked, op=self._ops[op])
+        handle = self.hvd.allreduce_async_(stacked, op=self._op(op))
         return self._submit(handle, lambda out: output.copy_(out[rank]))
 
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
