@@ -97,7 +97,8 @@ class _Link:
 
     On a ``TorchBackend`` it posts process-group work directly (no helper thread per message);
     otherwise it uses the backend's futures. On NCCL the lower rank of a pair posts its sends first
-    and the higher rank its receives first, since NCCL serialises one pair's operations.
+    and the higher rank its receives first, since NCCL serialises one pair's operations. Gloo
+    sends only host memory (``host_only``), so CUDA tensors are reduced through a CPU copy.
     """
 
     def __init__(self, comm: Communicator) -> None:
@@ -107,6 +108,7 @@ class _Link:
         self.world_size = comm.world_size
         self.group = backend.group if isinstance(backend, TorchBackend) else None
         self.strict = isinstance(backend, TorchBackend) and backend.device_type == "cuda"
+        self.host_only = isinstance(backend, TorchBackend) and backend.device_type == "cpu"
         self.sent = 0
         self.received = 0
 
@@ -327,7 +329,10 @@ def adasum_all_reduce(comm: Communicator, tensors: list[Tensor]) -> list[Tensor]
         for members in groups.values():
             fused = len(members) > 1 or not members[0].is_contiguous()
             flat = torch.cat([t.reshape(-1) for t in members]) if fused else members[0].view(-1)
-            _FlatAdasum(link, flat, [t.numel() for t in members]).run()
+            staged = flat.cpu() if link.host_only and flat.device.type != "cpu" else flat
+            _FlatAdasum(link, staged, [t.numel() for t in members]).run()
+            if staged is not flat:
+                flat.copy_(staged)
             if fused:
                 offset = 0
                 for t in members:
