@@ -24,13 +24,18 @@ class DemoRun:
     """A module that must import for this row to run (else the row is skipped with a reason)."""
 
 
+MPIRUN = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", "-x", "OMP_NUM_THREADS"]
+
+
 def demo_runs() -> list[DemoRun]:
-    runs = [
+    mpirun = MPIRUN[:1] + (["--allow-run-as-root"] if os.geteuid() == 0 else []) + MPIRUN[1:]
+    return [
         DemoRun("Lightning DDPStrategy (reference)", "ddp"),
-        DemoRun("lightning_dist DDP", "ld_ddp"),
-        DemoRun("lightning_dist DDP, Adasum", "ld_ddp_adasum"),
+        DemoRun("DDP()", "ld_ddp"),
+        DemoRun("DDP(reduce_op='adasum')", "ld_ddp_adasum"),
+        DemoRun("Horovod() (mpirun)", "horovod", mpirun, devices=1, needs="horovod.torch"),
+        DemoRun("HorovodAdasum() (mpirun)", "horovod_adasum", mpirun, devices=1, needs="horovod.torch"),
     ]
-    return runs
 
 
 def _available(run: DemoRun) -> Optional[str]:

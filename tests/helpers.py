@@ -26,6 +26,8 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_script(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
     """Run a command (``python`` prepended when it starts with a .py path); fail with its output."""
+    if args[0] == "python":
+        args = [sys.executable, *args[1:]]
     cmd = [sys.executable, *args] if args[0].endswith(".py") else args
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=ROOT
