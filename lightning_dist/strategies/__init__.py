@@ -2,10 +2,11 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.horovod import Horovod, HorovodAdasum
 
-for _strategy in (DDP, Horovod, HorovodAdasum):
+for _strategy in (DDP, Compressed, Horovod, HorovodAdasum):
     _strategy.register_strategies(StrategyRegistry)
 
-__all__ = ["DDP", "Horovod", "HorovodAdasum"]
+__all__ = ["DDP", "Compressed", "Horovod", "HorovodAdasum"]

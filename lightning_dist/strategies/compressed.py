@@ -1,0 +1,231 @@
+"""``Compressed``: ``DDP`` whose comm hook sends each gradient bucket through a compressor.
+
+    L.Trainer(strategy=Compressed("powersgd", rank=4))       # or Compressed(PowerSGD(rank=4))
+    L.Trainer(strategy=Compressed("fp16", reduce_op="adasum"))
+    L.Trainer(strategy="compressed_int8")
+
+Compressor state (error-feedback residuals, warm-start factors, momentum, step counters) differs per
+rank; checkpoints hold every rank's copy and the bucket layout it belongs to, and a resumed run
+loads its own rank's entry, so it continues as if never stopped.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Optional, Union
+
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_dist import collectives
+from lightning_dist.compression import COMPRESSORS, Compressor
+from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
+from lightning_dist.strategies.ddp import DDP
+from lightning_dist.strategies.options import reduce_op_name
+
+CHECKPOINT_KEY = "lightning_dist.compressed"
+COMPRESSED_REDUCE_OPS = ("avg", "adasum")
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_cpu(v) for v in tree]
+    return tree
+
+
+def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, Any]) -> Compressor:
+    """``compressor`` itself, or the named one built with ``options``; ValueError naming what is wrong."""
+    strategy_options = ", ".join(o for o in DDP._accepted_options() if o not in ("accelerator",))
+    if isinstance(compressor, Compressor):
+        if options:
+            raise ValueError(
+                f"Compressed got unknown option(s) {', '.join(sorted(options))}; a Compressor instance takes "
+                f"its options itself; strategy options: {strategy_options}"
+            )
+        return compressor
+    if not isinstance(compressor, str) or compressor.lower() not in COMPRESSORS:
+        raise ValueError(f"compressor={compressor!r} is not known; accepted: {', '.join(COMPRESSORS)}")
+    try:
+        return COMPRESSORS[compressor.lower()](**options)
+    except ValueError as err:
+        if "unknown option" in str(err):
+            raise ValueError(f"{err}; strategy options: {strategy_options}") from None
+        raise
+
+
+class Compressed(DDP):
+    """Data-parallel training with compressed gradients, on Gloo or NCCL, through ``collectives``.
+
+    Args:
+        compressor: a name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk"``, ``"powersgd"``,
+            ``"sign"``, ``"demo"``) or a ``lightning_dist.compression.Compressor`` instance.
+        reduce_op: ``"avg"``, or ``"adasum"`` (per parameter tensor, in gradient space) for the
+            compressors whose ``supports_adasum`` is true.
+        log_stats: log ``compression/bytes_per_step`` (bytes this rank sent for the gradients, from
+            the collectives counters) and ``compression/ratio`` (those bytes over a ring all-reduce of
+            the fp32 gradients) at every optimizer step.
+        **options: the compressor's options (``rank=4``) and ``DDP``'s (``bucket_cap_mb``, ``start_method`` ...).
+    """
+
+    strategy_name = "compressed"
+
+    def __init__(
+        self,
+        compressor: Union[str, Compressor] = "powersgd",
+        *,
+        reduce_op: str = "avg",
+        log_stats: bool = True,
+        **options: Any,
+    ) -> None:
+        ddp_names = set(DDP._accepted_options())
+        ddp_options = {k: v for k, v in options.items() if k in ddp_names}
+        self.compressor = build_compressor(
+            compressor, {k: v for k, v in options.items() if k not in ddp_names}
+        )
+        op = reduce_op_name("reduce_op", reduce_op, COMPRESSED_REDUCE_OPS)
+        if op == "adasum" and not self.compressor.supports_adasum:
+            allowed = ", ".join(n for n, c in COMPRESSORS.items() if c.supports_adasum)
+            raise ValueError(
+                f"reduce_op='adasum' is not supported by compressor {self.compressor.name!r}; "
+                f"compressors that allow it: {allowed}"
+            )
+        if not isinstance(log_stats, bool):
+            raise ValueError(f"log_stats={log_stats!r} is not supported; accepted: True, False")
+        self.log_stats = log_stats
+        self.last_step_stats: dict[str, float] = {}
+        self._step_bytes = 0
+        super().__init__(reduce_op=op, **ddp_options)
+
+    @classmethod
+    @override
+    def _accepted_options(cls) -> list[str]:
+        return [
+            "compressor",
+            "reduce_op",
+            "log_stats",
+            *(o for o in DDP._accepted_options() if o != "reduce_op"),
+        ]
+
+    @override
+    def _make_hook_state(self) -> CompressedHookState:
+        return CompressedHookState(compressor=self.compressor, adasum=self.reduce_op == "adasum")
+
+    @override
+    def _comm_hook(self) -> Callable[[Any, Any], Any]:
+        return compressed_hook
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        assert isinstance(self.model, DistributedDataParallel)
+        self.hook_state.param_index = {id(p): i for i, p in enumerate(self.model.module.parameters())}
+        super()._register_ddp_hooks()
+
+    # -- accounting ---------------------------------------------------------------------------------
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        before = collectives.stats().bytes_sent
+        loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self._step_bytes += collectives.stats().bytes_sent - before
+        return loss
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        state: CompressedHookState = self.hook_state
+        sent, reference = self._step_bytes, state.reference_bytes
+        self._step_bytes = state.reference_bytes = 0
+        self.last_step_stats = {
+            "bytes_per_step": float(sent),
+            "reference_bytes": float(reference),
+            "ratio": sent / reference if reference else float("nan"),
+        }
+        module = self.lightning_module
+        if self.log_stats and reference and module is not None and module._current_fx_name is not None:
+            module.log_dict(
+                {
+                    "compression/bytes_per_step": float(sent),
+                    "compression/ratio": self.last_step_stats["ratio"],
+                },
+                on_step=True,
+                on_epoch=False,
+                sync_dist=False,
+            )
+        return result
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def compressor_checkpoint_state(self) -> dict[str, Any]:
+        """This rank's compressor state and the bucket layout its keys refer to (CPU tensors)."""
+        state: CompressedHookState = self.hook_state
+        layout = state.layout or state.planned or {}
+        return {"state": _to_cpu(self.compressor.state_dict()), "layout": dict(layout)}
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Gather every rank's compressor state into the checkpoint (called on all ranks)."""
+        if "optimizer_states" in checkpoint:
+            own = self.compressor_checkpoint_state()
+            ranks = [
+                collectives.broadcast_object(own if self.global_rank == r else None, r)
+                for r in range(self.world_size)
+            ]
+            checkpoint = {
+                **checkpoint,
+                CHECKPOINT_KEY: {
+                    "compressor": self.compressor.name,
+                    "world_size": self.world_size,
+                    "ranks": ranks,
+                },
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        self.load_compressor_state(checkpoint.get(CHECKPOINT_KEY))
+
+    def load_compressor_state(self, saved: Optional[Mapping[str, Any]]) -> None:
+        """Load this rank's entry of a checkpoint's compressor states (warns and starts fresh if unusable)."""
+        state: CompressedHookState = self.hook_state
+        problem = None
+        if saved is None:
+            problem = "the checkpoint has no compressor state"
+        elif saved.get("compressor") != self.compressor.name:
+            problem = (
+                f"the checkpoint's compressor is {saved.get('compressor')!r}, not {self.compressor.name!r}"
+            )
+        elif saved.get("world_size") != self.world_size:
+            problem = (
+                f"the checkpoint was saved at world size {saved.get('world_size')}, not {self.world_size}"
+            )
+        if problem is not None:
+            warnings.warn(f"Compressed: {problem}; the compressor starts afresh", stacklevel=2)
+            self.compressor.reset()
+            state.planned = None
+            return
+        assert saved is not None
+        entry = saved["ranks"][self.global_rank]
+        self.compressor.load_state_dict(entry["state"])
+        state.planned = {int(k): [int(i) for i in v] for k, v in entry["layout"].items()} or None
+        state.layout = {}
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name in COMPRESSORS:
+            strategy_registry.register(
+                f"compressed_{name}",
+                cls,
+                description=f"lightning_dist DDP with {name} gradient compression",
+                compressor=name,
+            )

@@ -1,0 +1,205 @@
+"""A DDP communication hook that runs a compressor's ``Exchange`` over ``lightning_dist.collectives``.
+
+Every collective of every bucket is issued in one global order, the same on every rank: a bucket's
+first round starts from the hook when no earlier bucket still has rounds to issue, its later rounds
+run inside the ``.then`` callback of the previous one (as torch's PowerSGD hook does), and a bucket
+that arrives while an earlier one is in flight queues behind it. torch's own PowerSGD hook lacks this
+ordering, which is why it fails on Gloo as soon as DDP has more than one bucket.
+
+State is kept per *key*: the bucket index of DDP's steady (rebuilt) bucket layout. The layout, as
+parameter indices per key, is recorded so a resumed run can split DDP's first, pre-rebuild bucket
+into the keys the checkpointed state belongs to.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
+from lightning_dist.compression import Compressor, Exchange, reference_bytes
+
+Layout = dict[int, list[int]]
+
+
+@dataclass
+class _Unit:
+    """One key's exchange(s) for one hook call: a single exchange, or (Adasum) one per tensor in lockstep."""
+
+    key: int
+    positions: list[int]
+    exchanges: list[Exchange]
+
+
+@dataclass
+class CompressedHookState:
+    """What the hook needs per model, and what it reports."""
+
+    compressor: Compressor
+    adasum: bool = False
+    param_index: dict[int, int] = field(default_factory=dict)
+    """``id(parameter)`` -> its index in ``module.parameters()`` (set when the hook is registered)."""
+    layout: Layout = field(default_factory=dict)
+    """Key -> parameter indices, as the last complete backward pass used them."""
+    planned: Optional[Layout] = None
+    """A layout restored from a checkpoint: buckets are mapped (or split) onto its keys."""
+    calls: int = 0
+    reference_bytes: int = 0
+    """Bytes a ring all-reduce of the fp32 gradients would have sent (summed over hook calls)."""
+    _current: Layout = field(default_factory=dict)
+    _tail: Optional[Future] = None
+    _warned: bool = False
+
+    def units(self, bucket_index: int, indices: list[int]) -> list[tuple[int, list[int]]]:
+        """(key, positions in the bucket) for each exchange this bucket needs."""
+        planned = self.planned
+        if planned:
+            where = {p: i for i, p in enumerate(indices)}
+            parts = [k for k, ps in planned.items() if ps and ps[0] in where]
+            covered = sorted(p for k in parts for p in planned[k])
+            if covered == sorted(indices) and all(all(p in where for p in planned[k]) for k in parts):
+                return [(k, [where[p] for p in planned[k]]) for k in sorted(parts)]
+            if not self._warned:
+                warnings.warn(
+                    "Compressed: DDP's gradient buckets do not match the checkpointed bucket layout; "
+                    "the compressor state of the mismatched buckets starts afresh",
+                    stacklevel=2,
+                )
+                self._warned = True
+            self.planned = None
+        return [(bucket_index, list(range(len(indices))))]
+
+
+def _issue(comm: Communicator, unit: _Unit) -> Future:
+    """Start the collective of ``unit``'s current round."""
+    rounds = [ex.round for ex in unit.exchanges]
+    first = rounds[0]
+    assert first is not None
+    if len(rounds) > 1:
+        if any(r is None or r.kind != "allreduce" or r.op != first.op for r in rounds):
+            raise RuntimeError("Compressed: lockstep exchanges must all be in the same all-reduce round")
+        return comm.all_reduce_async([r.payload for r in rounds], first.op)  # type: ignore[union-attr]
+    if first.kind == "allreduce":
+        return comm.all_reduce_async(first.payload, first.op)
+    if first.kind == "allgather":
+        return comm.all_gather_async(first.payload, same_shape=True)
+    return comm.all_to_all_async(list(first.payload.unbind(0)))
+
+
+def _feed(unit: _Unit, received: Any) -> None:
+    if len(unit.exchanges) == 1:
+        unit.exchanges[0].feed(received)
+    else:
+        for ex, value in zip(unit.exchanges, received, strict=True):
+            ex.feed(value)
+
+
+def _pending(units: list[_Unit]) -> list[_Unit]:
+    return [u for u in units if u.exchanges[0].round is not None]
+
+
+def _run(units: list[_Unit], received: Any = None) -> None:
+    """Feed ``received`` to the first pending unit's round (if given), then run every round left, blocking."""
+    comm = collectives.current()
+    for i, unit in enumerate(_pending(units)):
+        if i == 0 and received is not None:
+            _feed(unit, received)
+        while unit.exchanges[0].round is not None:
+            _feed(unit, _issue(comm, unit).wait())
+
+
+class _Bucket:
+    """The bucket's flat buffer and per-parameter gradients, and where each unit's results go."""
+
+    def __init__(self, buffer: Tensor, grads: list[Tensor], flat: bool) -> None:
+        self.buffer = buffer
+        self.grads = grads
+        self.flat = flat
+        self.offsets = [0]
+        for g in grads:
+            self.offsets.append(self.offsets[-1] + g.numel())
+
+    def inputs(self, positions: list[int]) -> list[Tensor]:
+        if not self.flat:
+            return [self.grads[p] for p in positions]
+        if positions == list(range(len(self.grads))):
+            return [self.buffer]
+        return [torch.cat([self.grads[p].reshape(-1) for p in positions])]
+
+    def write_back(self, units: list[_Unit]) -> Tensor:
+        buffer, offsets = self.buffer, self.offsets
+        for unit in units:
+            results = [t for ex in unit.exchanges for t in ex.result]  # type: ignore[union-attr]
+            if self.flat and len(unit.exchanges) == 1:
+                flat = results[0].reshape(-1)
+                if flat.data_ptr() == buffer.data_ptr():
+                    continue
+                start = 0
+                for pos in unit.positions:
+                    n = offsets[pos + 1] - offsets[pos]
+                    buffer[offsets[pos] : offsets[pos + 1]].copy_(flat[start : start + n])
+                    start += n
+            else:
+                for pos, t in zip(unit.positions, results, strict=True):
+                    buffer[offsets[pos] : offsets[pos + 1]].copy_(t.reshape(-1))
+        return buffer
+
+
+def compressed_hook(
+    state: CompressedHookState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Compress one bucket and exchange it through ``collectives`` (see the module docstring)."""
+    state.calls += 1
+    comm = collectives.current()
+    world_size, rank = comm.world_size, comm.rank
+    compressor = state.compressor
+    grads = bucket.gradients()
+    data = _Bucket(bucket.buffer(), grads, flat=not compressor.per_tensor and not state.adasum)
+    indices = [state.param_index.get(id(p), -1) for p in bucket.parameters()]
+
+    units: list[_Unit] = []
+    for key, positions in state.units(bucket.index(), indices):
+        state._current[key] = [indices[p] for p in positions]
+        if state.adasum:
+            exchanges = [
+                compressor.exchange(f"{key}.{j}", grads[p], world_size=world_size, rank=rank, adasum=True)
+                for j, p in enumerate(positions)
+            ]
+        else:
+            exchanges = [compressor.exchange(key, data.inputs(positions), world_size=world_size, rank=rank)]
+        units.append(_Unit(key, positions, exchanges))
+    state.reference_bytes += reference_bytes([g.shape for g in grads], world_size)
+    if bucket.is_last():
+        state.layout, state._current = state._current, {}
+
+    pending = _pending(units)
+    if not pending:
+        done: Future = Future(devices=[data.buffer.device] if data.buffer.is_cuda else None)
+        done.set_result(data.write_back(units))
+        return done
+
+    tail = state._tail
+    if tail is None or tail.done():
+        first = _issue(comm, pending[0])
+
+        def _rest(f: Future) -> Tensor:
+            _run(units, f.value())
+            return data.write_back(units)
+
+        result = first.then(_rest)
+    else:
+
+        def _after(f: Future) -> Tensor:
+            f.value()
+            _run(units)
+            return data.write_back(units)
+
+        result = tail.then(_after)
+    state._tail = result
+    return result

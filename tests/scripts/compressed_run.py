@@ -1,0 +1,122 @@
+"""Fit the tiny workload with several strategies, one after another, in one 2-process job.
+
+python tests/scripts/compressed_run.py --out DIR --runs JSON
+
+JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("DDP", or a compressor name
+for ``Compressed``), ``options`` (its keyword arguments), ``optimizer`` ("adamw", "sgd" = plain SGD,
+"sgd_momentum"), ``lr``, ``steps`` or ``epochs``, ``batches_per_epoch``, ``accumulate``, ``precision``,
+``save`` (write a checkpoint here after fitting), ``resume`` (fit from this checkpoint),
+``drop_compressor_state`` (remove it from the checkpoint before resuming), ``validate``.
+Each rank writes ``<name>.rank<r>.pt`` (final weights) and ``<name>.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+import lightning as L
+import torch
+
+import lightning_dist
+from lightning_dist import collectives
+from lightning_dist.strategies.compressed import CHECKPOINT_KEY
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+
+
+class Model(TinyCausalLM):
+    """The workload with a choice of optimizer: AdamW, plain SGD (DeMo's update is SGD on its output)."""
+
+    def __init__(self, optimizer: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        lr = self.config.lr
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=lr)
+        if self.optimizer_name == "sgd_momentum":
+            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01)
+
+
+def make_strategy(run: dict[str, Any]) -> Any:
+    name = run.get("strategy", "DDP")
+    if name == "DDP":
+        return lightning_dist.DDP(**run.get("options", {}))
+    return lightning_dist.Compressed(name, **run.get("options", {}))
+
+
+def fit(run: dict[str, Any], out: str) -> None:
+    L.seed_everything(7, verbose=False)
+    model = Model(
+        run.get("optimizer", "adamw"),
+        config=WorkloadConfig.tiny(seed=7, batch_size=run.get("batch_size", 8), lr=run.get("lr", 3e-3)),
+    )
+    strategy = make_strategy(run)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=run.get("steps", -1 if "epochs" in run else 20),
+        max_epochs=run.get("epochs"),
+        limit_train_batches=run.get("batches_per_epoch", 1.0),
+        accumulate_grad_batches=run.get("accumulate", 1),
+        precision=run.get("precision", "32-true"),
+        limit_val_batches=1.0,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        deterministic=True,
+    )
+    ckpt = run.get("resume")
+    if ckpt and run.get("drop_compressor_state"):
+        loaded = torch.load(ckpt, weights_only=False)
+        loaded.pop(CHECKPOINT_KEY, None)
+        ckpt = f"{ckpt}.dropped{trainer.global_rank}"
+        torch.save(loaded, ckpt)
+    collectives.reset_stats()
+    trainer.fit(model, ckpt_path=ckpt)
+    if run.get("save"):
+        trainer.save_checkpoint(run["save"])
+    rank = trainer.global_rank
+    info: dict[str, Any] = {
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "train_loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))),
+        "stats": getattr(trainer.strategy, "last_step_stats", {}),
+        "logged_ratio": float(trainer.callback_metrics.get("compression/ratio", torch.tensor(float("nan")))),
+        "hook_calls": getattr(getattr(trainer.strategy, "hook_state", None), "calls", None),
+        "layout": {str(k): v for k, v in getattr(trainer.strategy.hook_state, "layout", {}).items()},
+    }
+    if run.get("validate", True):
+        info["val_loss"] = float(trainer.validate(model, verbose=False)[0]["val_loss"])
+    torch.save(
+        {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        os.path.join(out, f"{run['name']}.rank{rank}.pt"),
+    )
+    with open(os.path.join(out, f"{run['name']}.rank{rank}.json"), "w") as fh:
+        json.dump(info, fh)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(a.out, exist_ok=True)
+    for run in json.loads(a.runs):
+        fit(run, a.out)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
