@@ -13,15 +13,29 @@ from lightning_dist import Horovod, HorovodAdasum
     ("kwargs", "pattern"),
     [
         ({"op": "mean"}, r"op='mean' is not supported; accepted: 'average', 'sum', 'adasum'"),
-        ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16'"),
+        ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
         ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
         ({"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
         ({"op": "adasum", "compression": "fp16"}, r"compression='fp16' is not supported with op='adasum'"),
+        ({"op": "adasum", "compression": "bf16"}, r"compression='bf16' is not supported with op='adasum'"),
     ],
 )
 def test_bad_horovod_arguments(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         Horovod(**kwargs)
+
+
+def test_compression_takes_allreduce_compressors_only() -> None:
+    from lightning_dist.compression import BF16Compression, TopK
+
+    assert isinstance(Horovod(compression="bf16").compressor, BF16Compression)
+    assert Horovod(compression="none").compressor is None
+    instance = BF16Compression()
+    assert Horovod(compression=instance).compressor is instance
+    with pytest.raises(
+        ValueError, match=r"Horovod needs an all-reduce compressor; accepted: none, fp16, bf16"
+    ):
+        Horovod(compression=TopK(ratio=0.1))
 
 
 def test_horovod_adasum_rejects_other_ops() -> None:
@@ -43,3 +57,4 @@ def test_registered_names() -> None:
     assert StrategyRegistry["horovod"]["strategy"] is Horovod
     assert StrategyRegistry["horovod_adasum"]["strategy"] is HorovodAdasum
     assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}
+    assert StrategyRegistry["horovod_bf16"]["init_params"] == {"compression": "bf16"}

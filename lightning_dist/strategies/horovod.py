@@ -23,12 +23,13 @@ from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.collectives.horovod_backend import HorovodBackend
+from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.options import check_choice, reject_unknown_options
 
 HOROVOD_OPS = ("average", "sum", "adasum")
-HOROVOD_COMPRESSIONS = (None, "none", "fp16")
+HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
 
 
 class Horovod(CollectiveOpsMixin, ParallelStrategy):
@@ -36,7 +37,9 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
 
     Args:
         op: ``"average"`` (default), ``"sum"`` or ``"adasum"`` (Horovod's MPI Adasum of optimizer updates).
-        compression: ``None``/``"none"`` or ``"fp16"`` (gradients cross the wire in half precision).
+        compression: ``None``/``"none"``, ``"fp16"`` or ``"bf16"`` (gradients cross the wire in half
+            precision), or a ``lightning_dist.compression.Compressor`` whose ``aggregation`` is
+            ``"allreduce"`` (its exchange runs at world size 1 and Horovod's all-reduce averages).
         lr_scale: ``"auto"`` follows Horovod's guidance: average -> world size; adasum -> local size
             on GPU (NCCL) and 1 on CPU; sum -> 1. A number overrides it; 1.0 turns scaling off.
             The factor multiplies every optimizer param group's ``lr`` once, at setup.
@@ -47,7 +50,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     def __init__(
         self,
         op: str = "average",
-        compression: Optional[str] = None,
+        compression: Union[None, str, Compressor] = None,
         lr_scale: Union[str, float] = "auto",
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
@@ -60,9 +63,11 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
             ["op", "compression", "lr_scale", "accelerator", "checkpoint_io", "precision_plugin"],
         )
         check_choice("op", op, HOROVOD_OPS)
-        check_choice("compression", compression, HOROVOD_COMPRESSIONS)
-        if compression == "fp16" and op == "adasum":
-            raise ValueError("compression='fp16' is not supported with op='adasum'; accepted there: None")
+        compressor = _horovod_compressor(compression)
+        if compressor is not None and op == "adasum":
+            raise ValueError(
+                f"compression={compression!r} is not supported with op='adasum'; accepted there: None, 'none'"
+            )
         if not (lr_scale == "auto" or (isinstance(lr_scale, (int, float)) and lr_scale > 0)):
             raise ValueError(f"lr_scale={lr_scale!r}; accepted: 'auto' or a number > 0")
         super().__init__(
@@ -70,10 +75,11 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         )
         self.op = op
         self.compression = None if compression == "none" else compression
+        self.compressor = compressor
         self.lr_scale = lr_scale
         self._backend: Optional[HorovodBackend] = None
         self._sync_grads = True
-        self._pending: list[tuple[Tensor, Future]] = []
+        self._pending: list[tuple[Tensor, Future, Optional[Exchange]]] = []
         self._hook_handles: list[Any] = []
         self.applied_lr_scale = 1.0
 
@@ -204,23 +210,37 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     def _register_gradient_hooks(self) -> None:
         assert self.model is not None
         op = "avg" if self.op == "average" else "sum"
-        for p in self.model.parameters():
+        self._op = op
+        for i, p in enumerate(self.model.parameters()):
             if p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(op)))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(op, i)))
 
-    def _make_hook(self, op: str) -> Callable[[Tensor], None]:
+    def _make_hook(self, op: str, key: int = 0) -> Callable[[Tensor], None]:
         def hook(param: Tensor) -> None:
             if not self._sync_grads or param.grad is None:
                 return
             grad = param.grad
-            wire = grad.to(torch.float16) if self.compression == "fp16" and grad.is_floating_point() else grad
-            self._pending.append((grad, collectives.all_reduce_async(wire, op)))
+            if self.compressor is None or not grad.is_floating_point():
+                self._pending.append((grad, collectives.all_reduce_async(grad, op), None))
+                return
+            ex = self.compressor.exchange(key, grad, world_size=1)
+            rnd = ex.round
+            fut = _all_reduce_wire(rnd.payload, op) if rnd is not None else None
+            self._pending.append((grad, fut, ex))  # type: ignore[arg-type]
 
         return hook
 
     def _wait_for_gradients(self) -> None:
         pending, self._pending = self._pending, []
-        for grad, fut in pending:
+        for grad, fut, ex in pending:
+            if ex is not None:
+                if fut is not None:
+                    ex.feed(fut.wait())
+                while ex.round is not None:
+                    ex.feed(_all_reduce_wire(ex.round.payload, self._op).wait())
+                assert ex.result is not None
+                grad.copy_(ex.result[0])
+                continue
             reduced = fut.wait()
             if reduced is not grad and reduced.data_ptr() != grad.data_ptr():
                 grad.copy_(reduced)
@@ -280,6 +300,40 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         strategy_registry.register(
             "horovod_fp16", cls, description="lightning_dist Horovod, fp16 gradients", compression="fp16"
         )
+        strategy_registry.register(
+            "horovod_bf16", cls, description="lightning_dist Horovod, bf16 gradients", compression="bf16"
+        )
+
+
+def _horovod_compressor(compression: Any) -> Optional[Compressor]:
+    """The compressor for Horovod's ``compression=`` argument (None for no compression)."""
+    if isinstance(compression, Compressor):
+        if compression.aggregation != "allreduce":
+            allowed = ", ".join(n for n, c in COMPRESSORS.items() if c.aggregation == "allreduce")
+            raise ValueError(
+                f"compression={compression!r} is not supported: Horovod needs an all-reduce compressor; "
+                f"accepted: {allowed}"
+            )
+        return compression
+    check_choice("compression", compression, HOROVOD_COMPRESSIONS)
+    return None if compression in (None, "none") else COMPRESSORS[compression]()
+
+
+def _all_reduce_wire(payload: Tensor, op: str) -> Future:
+    """All-reduce a compressor's payload. Horovod 0.28 cannot reduce bfloat16 tensors, so bf16 words
+    are all-gathered and summed in fp32 (in rank order, so every rank gets the same result) while
+    that sends no more than an fp32 ring all-reduce (world size <= 4), else reduced as fp32."""
+    if payload.dtype != torch.bfloat16:
+        return collectives.all_reduce_async(payload, op)
+    w = collectives.current().world_size
+    if w > 4:
+        return collectives.all_reduce_async(payload.float(), op).then(lambda f: f.value().to(torch.bfloat16))
+
+    def _reduce(f: Future) -> Tensor:
+        total = torch.stack(f.value()).view(torch.bfloat16).float().sum(0)
+        return (total / w if op == "avg" else total).to(torch.bfloat16)
+
+    return collectives.all_gather_async(payload.view(torch.int16), same_shape=True).then(_reduce)
 
 
 class HorovodAdasum(Horovod):
