@@ -104,6 +104,18 @@ class HorovodBackend(Backend):
     def world_size(self) -> int:
         return self.hvd.size()
 
+    @property
+    def local_rank(self) -> int:
+        return self.hvd.local_rank()
+
+    @property
+    def local_size(self) -> int:
+        return self.hvd.local_size()
+
+    @property
+    def node_rank(self) -> int:
+        return self.hvd.cross_rank()
+
     def _submit(self, handle: int, finish: Callable[[Any], Any]) -> Future:
         return self._completer.submit(handle, finish)
 

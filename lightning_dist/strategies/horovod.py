@@ -93,22 +93,22 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     @property
     @override
     def global_rank(self) -> int:
-        return self.backend.hvd.rank()
+        return self.backend.rank
 
     @property
     @override
     def local_rank(self) -> int:
-        return self.backend.hvd.local_rank()
+        return self.backend.local_rank
 
     @property
     @override
     def node_rank(self) -> int:
-        return self.backend.hvd.cross_rank()
+        return self.backend.node_rank
 
     @property
     @override
     def world_size(self) -> int:
-        return self.backend.hvd.size()
+        return self.backend.world_size
 
     @property
     def is_distributed(self) -> bool:
@@ -191,7 +191,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         if self.op == "average":
             return float(self.world_size)
         if self.op == "adasum" and self.root_device.type == "cuda":
-            return float(self.backend.hvd.local_size())
+            return float(self.backend.local_size)
         return 1.0
 
     def _scale_learning_rates(self) -> None:
