@@ -4,6 +4,7 @@ test harness (no processes to spawn, so a 3-rank check takes milliseconds)."""
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 import uuid
 from collections.abc import Callable
 from typing import TypeVar
@@ -28,7 +29,7 @@ def run_in_threads(world_size: int, fn: Callable[[Communicator], T], timeout: fl
 
     def _rank(r: int) -> None:
         try:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, world_size)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, world_size, timedelta(seconds=timeout))
             results[r] = fn(Communicator(TorchBackend(pg), stats=CommStats()))
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
             errors[r] = exc

@@ -29,13 +29,16 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(self, group: Optional[Any] = None) -> None:
+        """``group``: a ``ProcessGroup`` (default: the world group) or a backend object such as
+        ``ProcessGroupGloo`` made directly from a store."""
         if group is None:
             if not dist.is_initialized():
                 raise RuntimeError("TorchBackend needs an initialised process group or an explicit `group`")
             group = dist.group.WORLD
         assert group is not None
-        self.group: dist.ProcessGroup = group
+        self.group: Any = group
+        self._device_type = self._detect_device_type()
 
     @property
     def rank(self) -> int:
@@ -48,11 +51,15 @@ class TorchBackend(Backend):
     @property
     def device_type(self) -> str:
         """``cuda`` when the group runs NCCL, else ``cpu``: where control tensors must live."""
+        return self._device_type
+
+    def _detect_device_type(self) -> str:
+        name: str
         try:
-            name = dist.get_backend(self.group)
+            name = str(dist.get_backend(self.group))
         except (RuntimeError, ValueError):
-            name = self.group.name() if hasattr(self.group, "name") else "gloo"
-        return "cuda" if "nccl" in str(name).lower() else "cpu"
+            name = str(self.group.name()) if hasattr(self.group, "name") else "gloo"
+        return "cuda" if "nccl" in name.lower() else "cpu"
 
     def _to_device(self, tensor: Tensor) -> Tensor:
         if self.device_type == "cuda":
@@ -64,9 +71,9 @@ class TorchBackend(Backend):
         if op == "avg":
             # Divide first, then sum: the order torch's DDP reducer uses, so results match it bitwise.
             tensor.div_(self.world_size)
-            opts.reduceOp = dist.ReduceOp.SUM
+            opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         else:
-            opts.reduceOp = _TORCH_OPS[op]
+            opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
         return self.group.allreduce([tensor], opts).get_future().then(_first)
 
     def broadcast(self, tensor: Tensor, src: int) -> Future:
@@ -84,9 +91,9 @@ class TorchBackend(Backend):
         opts = dist.ReduceScatterOptions()
         if op == "avg":
             inputs = [t / self.world_size for t in inputs]
-            opts.reduceOp = dist.ReduceOp.SUM
+            opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         else:
-            opts.reduceOp = _TORCH_OPS[op]
+            opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
         work = self.group.reduce_scatter([output], [inputs], opts)
         return _work_future(work, output)
 

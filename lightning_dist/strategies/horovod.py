@@ -135,7 +135,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         collectives.use(collectives.Communicator(self.backend))
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
         super().setup_environment()

@@ -87,7 +87,8 @@ class TinyCausalLM(L.LightningModule):
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
         h = self.embed(tokens) + self.pos[:t]
-        h = self.blocks(h, mask=self.causal_mask[:t, :t], is_causal=True)
+        mask: Tensor = self.causal_mask  # type: ignore[assignment]
+        h = self.blocks(h, mask=mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
