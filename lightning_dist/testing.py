@@ -4,9 +4,9 @@ test harness (no processes to spawn, so a 3-rank check takes milliseconds)."""
 from __future__ import annotations
 
 import threading
-from datetime import timedelta
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
