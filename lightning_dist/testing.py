@@ -29,7 +29,9 @@ def run_in_threads(world_size: int, fn: Callable[[Communicator], T], timeout: fl
 
     def _rank(r: int) -> None:
         try:
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), r, world_size, timedelta(seconds=timeout))
+            pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(prefix, store), r, world_size, timedelta(seconds=timeout)
+            )
             results[r] = fn(Communicator(TorchBackend(pg), stats=CommStats()))
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
             errors[r] = exc
