@@ -42,7 +42,7 @@ def _to_cpu(tree: Any) -> Any:
 
 def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, Any]) -> Compressor:
     """``compressor`` itself, or the named one built with ``options``; ValueError naming what is wrong."""
-    strategy_options = ", ".join(o for o in DDP._accepted_options() if o not in ("accelerator",))
+    strategy_options = ", ".join(Compressed._accepted_options()[1:])
     if isinstance(compressor, Compressor):
         if options:
             raise ValueError(

@@ -6,7 +6,8 @@ JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("DDP", or 
 for ``Compressed``), ``options`` (its keyword arguments), ``optimizer`` ("adamw", "sgd" = plain SGD,
 "sgd_momentum"), ``lr``, ``steps`` or ``epochs``, ``batches_per_epoch``, ``accumulate``, ``precision``,
 ``save`` (write a checkpoint here after fitting), ``resume`` (fit from this checkpoint),
-``drop_compressor_state`` (remove it from the checkpoint before resuming), ``validate``.
+``drop_compressor_state`` (remove it from the checkpoint before resuming), ``validate``,
+``workload`` (``WorkloadConfig`` overrides of the tiny size).
 Each rank writes ``<name>.rank<r>.pt`` (final weights) and ``<name>.rank<r>.json``.
 """
 
@@ -53,7 +54,9 @@ def fit(run: dict[str, Any], out: str) -> None:
     L.seed_everything(7, verbose=False)
     model = Model(
         run.get("optimizer", "adamw"),
-        config=WorkloadConfig.tiny(seed=7, batch_size=run.get("batch_size", 8), lr=run.get("lr", 3e-3)),
+        config=WorkloadConfig.tiny(
+            seed=7, batch_size=run.get("batch_size", 8), lr=run.get("lr", 3e-3), **run.get("workload", {})
+        ),
     )
     strategy = make_strategy(run)
     trainer = L.Trainer(

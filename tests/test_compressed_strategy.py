@@ -1,0 +1,270 @@
+"""Compressed strategy: options, then 2 CPU processes over Gloo (parity with DDP, every compressor
+training the workload, exact byte accounting, mixed precision, accumulation, Adasum, many buckets,
+checkpoint resume), then Horovod's compression= under mpirun.
+
+Optimizers: AdamW (lr 3e-3, the workload's default) for every compressor except DeMo, which is
+plain SGD with the same Adam-sized lr: DeMo keeps the momentum itself and returns a sign update,
+so SGD's step is lr * sign (see lightning_dist/compression/demo.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import SCRIPTS, assert_same_weights, max_abs_diff, run_script
+
+from lightning_dist import Compressed
+from lightning_dist.compression import COMPRESSORS, PowerSGD, make_compressor
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+
+SCRIPT = str(SCRIPTS / "compressed_run.py")
+STEPS = 200
+WORKLOAD = {"train_bytes": 1_000_000}
+"""The tiny model on 1 MB of text: 200 steps see 100 kB per rank, so validation loss tracks learning
+(the tiny default of 40 kB overfits, and its validation loss stalls near the byte-unigram level)."""
+TOLERANCE = {
+    "fp16": 0.05,
+    "bf16": 0.05,
+    "int8": 0.05,
+    "powersgd": 0.05,
+    "topk": 0.10,
+    "sign": 0.10,
+    "demo": 0.10,
+}
+
+
+# -- options (no processes) ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "kwargs", "pattern"),
+    [
+        (
+            ("bogus",),
+            {},
+            r"compressor='bogus' is not known; accepted: none, fp16, bf16, int8, topk, powersgd",
+        ),
+        (("powersgd",), {"rank": 0}, r"powersgd: rank=0 must be an integer >= 1"),
+        (("topk",), {"ratio": 1.5}, r"topk: ratio=1.5 must be in \(0, 1\]"),
+        (("topk",), {"ratio": 0.0}, r"topk: ratio=0.0 must be in \(0, 1\]"),
+        (("powersgd",), {"rnk": 4}, r"unknown option 'rnk'; accepted: rank, .*; strategy options: reduce_op"),
+        (
+            ("topk",),
+            {"reduce_op": "adasum"},
+            r"reduce_op='adasum' .* compressors that allow it: none, fp16, bf16",
+        ),
+        (("fp16",), {"reduce_op": "max"}, r"reduce_op='max' is not supported; accepted: 'avg', 'adasum'"),
+        ((PowerSGD(),), {"rank": 2}, r"unknown option\(s\) rank; a Compressor instance takes its options"),
+        (("fp16",), {"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a number > 0"),
+        (("fp16",), {"log_stats": "yes"}, r"log_stats='yes' is not supported; accepted: True, False"),
+    ],
+)
+def test_bad_options_raise_before_any_process(args: tuple, kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Compressed(*args, **kwargs)
+
+
+def test_names_instances_and_registry() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    by_name = Compressed("powersgd", rank=4, bucket_cap_mb=2)
+    instance = PowerSGD(rank=4)
+    by_object = Compressed(instance)
+    assert by_name.compressor.config == by_object.compressor.config and by_object.compressor is instance
+    assert by_name.reduce_op == "avg" and Compressed("bf16", reduce_op="adasum").reduce_op == "adasum"
+    for name in COMPRESSORS:
+        entry = StrategyRegistry[f"compressed_{name}"]
+        assert entry["strategy"] is Compressed and entry["init_params"] == {"compressor": name}
+
+
+# -- 2 processes over Gloo -------------------------------------------------------------------------
+def job(out: Path, runs: list[dict[str, Any]]) -> Path:
+    run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=280)
+    return out
+
+
+def weights(out: Path, name: str, rank: int = 0) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"{name}.rank{rank}.pt")
+
+
+def info(out: Path, name: str, rank: int = 0) -> dict[str, Any]:
+    return json.loads((out / f"{name}.rank{rank}.json").read_text())
+
+
+def training_runs() -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = [{"name": "ddp", "strategy": "DDP"}, {"name": "none", "strategy": "none"}]
+    runs += [{"name": c, "strategy": c} for c in TOLERANCE if c != "demo"]
+    runs.append({"name": "demo", "strategy": "demo", "optimizer": "sgd"})
+    for r in runs:
+        r.update(steps=STEPS, workload=WORKLOAD)
+    short = {"steps": 12, "validate": False}
+    runs += [
+        {"name": "ddp_acc", "strategy": "DDP", "accumulate": 2, **short},
+        {"name": "none_acc", "strategy": "none", "accumulate": 2, **short},
+        {"name": "ddp_adasum", "strategy": "DDP", "options": {"reduce_op": "adasum"}, **short},
+        {"name": "none_adasum", "strategy": "none", "options": {"reduce_op": "adasum"}, **short},
+        {"name": "bf16_adasum", "strategy": "bf16", "options": {"reduce_op": "adasum"}, **short},
+        {
+            "name": "powersgd_buckets_bf16",
+            "strategy": "powersgd",
+            "options": {"bucket_cap_mb": 0.01},
+            "precision": "bf16-mixed",
+            "accumulate": 2,
+            **short,
+        },
+        {
+            "name": "int8_buckets_fp16",
+            "strategy": "int8",
+            "options": {"bucket_cap_mb": 0.01},
+            "precision": "16-mixed",
+            **short,
+        },
+        {
+            "name": "demo_buckets",
+            "strategy": "demo",
+            "options": {"bucket_cap_mb": 0.01},
+            "optimizer": "sgd",
+            **short,
+        },
+    ]
+    return runs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return job(tmp_path_factory.mktemp("trained"), training_runs())
+
+
+@pytest.mark.slow
+def test_none_is_bitwise_ddp(trained: Path) -> None:
+    for ref, ours in (("ddp", "none"), ("ddp_acc", "none_acc"), ("ddp_adasum", "none_adasum")):
+        for rank in (0, 1):
+            assert_same_weights(weights(trained, ours, rank), weights(trained, ref, 0), atol=0)
+    initial = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
+    assert max_abs_diff(initial, weights(trained, "ddp")) > 1e-2, "training changed the weights"
+
+
+@pytest.mark.slow
+def test_every_compressor_trains_close_to_uncompressed(trained: Path) -> None:
+    ref = info(trained, "ddp")["val_loss"]
+    assert ref < 0.55 * math.log(256), f"the uncompressed run must really train (val loss {ref:.3f})"
+    report = []
+    for name, tol in TOLERANCE.items():
+        loss = info(trained, name)["val_loss"]
+        report.append(f"{name}: {loss:.4f} ({loss / ref - 1:+.1%})")
+        assert loss <= ref * (1 + tol), (
+            f"{name}: val loss {loss:.4f} vs uncompressed {ref:.4f} (tolerance {tol:.0%})"
+        )
+        assert_same_weights(weights(trained, name, 1), weights(trained, name, 0), atol=0)
+    print("uncompressed", ref, "; ".join(report))
+
+
+@pytest.mark.slow
+def test_bytes_per_step_match_wire_model_and_ratio_is_logged(trained: Path) -> None:
+    shapes = [tuple(p.shape) for p in TinyCausalLM(WorkloadConfig.tiny(seed=7)).parameters()]
+    for name in ["none", *TOLERANCE]:
+        got = info(trained, name)
+        (layout,) = got["layout"].values()  # one bucket: the model is small
+        bucket = [shapes[i] for i in layout]
+        compressor = make_compressor(name)
+        expected = compressor.wire_bytes(bucket, 2)
+        if compressor.aggregation == "all_to_all":
+            expected += 8  # collectives' all_to_all exchanges row counts first
+        stats = got["stats"]
+        assert stats["bytes_per_step"] == expected, name
+        assert stats["reference_bytes"] == 4 * sum(math.prod(s) for s in shapes)  # ring at W=2: N bytes
+        assert got["logged_ratio"] == pytest.approx(stats["bytes_per_step"] / stats["reference_bytes"])
+        if name not in ("none", "fp16", "bf16"):
+            assert stats["ratio"] < 0.3, name
+
+
+@pytest.mark.slow
+def test_mixed_precision_accumulation_adasum_and_many_buckets(trained: Path) -> None:
+    for name in ("bf16_adasum", "powersgd_buckets_bf16", "int8_buckets_fp16", "demo_buckets"):
+        got = info(trained, name)
+        assert got["global_step"] == 12 and math.isfinite(got["train_loss"]), name
+        assert_same_weights(weights(trained, name, 1), weights(trained, name, 0), atol=0)
+    assert len(info(trained, "powersgd_buckets_bf16")["layout"]) > 2, (
+        "bucket_cap_mb=0.01 gives several buckets"
+    )
+    # accumulation over 2 batches: one exchange per bucket per optimizer step (the first step has
+    # DDP's single pre-rebuild bucket), not per batch
+    got = info(trained, "powersgd_buckets_bf16")
+    assert got["hook_calls"] == 1 + 11 * len(got["layout"])
+    assert info(trained, "none_acc")["hook_calls"] == 12
+
+
+@pytest.mark.slow
+def test_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "epoch1.ckpt")
+    base = {
+        "strategy": "powersgd",
+        "batches_per_epoch": 5,
+        "validate": False,
+        "options": {"bucket_cap_mb": 0.01},
+    }
+    out = job(
+        tmp_path,
+        [
+            {"name": "full", "epochs": 2, **base},
+            {"name": "first", "epochs": 1, "save": ckpt, **base},
+            {"name": "resumed", "epochs": 2, "resume": ckpt, **base},
+            {"name": "dropped", "epochs": 2, "resume": ckpt, "drop_compressor_state": True, **base},
+        ],
+    )
+    saved = torch.load(ckpt, weights_only=False)["lightning_dist.compressed"]
+    assert saved["compressor"] == "powersgd" and saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    r0, r1 = (entry["state"]["keys"] for entry in saved["ranks"])
+    assert r0.keys() == r1.keys() and len(r0) > 2
+    assert any(
+        not torch.equal(r0[k]["residual"][g], r1[k]["residual"][g]) for k in r0 for g in r0[k]["residual"]
+    ), "residuals differ per rank, so each rank must get its own back"
+    assert info(out, "full")["global_step"] == info(out, "resumed")["global_step"] == 10
+    for rank in (0, 1):
+        assert_same_weights(weights(out, "resumed", rank), weights(out, "full", rank), atol=1e-6)
+    assert info(out, "resumed")["layout"] == info(out, "full")["layout"]
+    drift = max_abs_diff(weights(out, "dropped"), weights(out, "full"))
+    assert drift > 1e-4, f"resuming without the compressor state should differ (max diff {drift})"
+
+
+# -- Horovod compression= ---------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found (apt-get install openmpi-bin)")
+def test_horovod_compression_trains_under_mpirun(tmp_path: Path) -> None:
+    pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
+    flags = [
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--bind-to",
+        "none",
+        "-x",
+        "PYTHONPATH",
+        "-x",
+        "OMP_NUM_THREADS",
+    ]
+    results = {}
+    for compression in ("none", "fp16", "bf16"):
+        out = tmp_path / compression
+        cmd = ["mpirun", "-np", "2", *flags, sys.executable, str(SCRIPTS / "compressed_hvd.py")]
+        run_script([*cmd, "--compression", compression, "--out", str(out)], timeout=200)
+        w0, w1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+        assert_same_weights(w0, w1, atol=0)
+        got = json.loads((out / "rank0.json").read_text())
+        assert got["world_size"] == 2 and got["global_step"] == 12
+        results[compression] = (w0, got)
+    losses = {c: r[1]["losses"] for c, r in results.items()}
+    for c in ("fp16", "bf16"):
+        assert sum(losses[c][-3:]) < sum(losses[c][:3]) - 0.6, f"{c}: loss did not fall: {losses[c]}"
+        assert abs(losses[c][-1] - losses["none"][-1]) < 0.05 * losses["none"][-1]
+        assert max_abs_diff(results[c][0], results["none"][0]) > 0, f"{c}: gradients were not rounded"
+    grad_bytes = {
+        c: r[1]["stats"].get("all_reduce.bytes_sent", 0) + r[1]["stats"].get("all_gather.bytes_sent", 0)
+        for c, r in results.items()
+    }
+    assert grad_bytes["fp16"] < 0.55 * grad_bytes["none"] and grad_bytes["bf16"] < 0.55 * grad_bytes["none"]
