@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml scripts/install-horovod.sh scripts/install-system-deps.
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m lightning_dist.cli demo
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m lightning_dist.cli demo
 
 test: setup
-	OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m pytest -q
+	PATH="$(abspath $(VENV))/bin:$$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check lightning_dist tests examples benchmarks

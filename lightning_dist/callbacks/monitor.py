@@ -7,13 +7,15 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from typing_extensions import override
 
 from lightning_dist import collectives
 
 
 class CommMonitor(L.Callback):
-    """Records and logs, per optimizer step: wall time, bytes sent/received, seconds in collectives.
+    """Records and logs, per training batch: wall time, bytes sent/received, seconds in collectives,
+    and the (rank-local) loss.
 
     ``summary()`` gives medians over the steps after ``warmup`` (rank-local values).
     """
@@ -26,6 +28,7 @@ class CommMonitor(L.Callback):
         self.bytes_received: list[int] = []
         self.comm_seconds: list[float] = []
         self.samples: list[int] = []
+        self.losses: list[float] = []
         self._start = 0.0
         self._base: dict[str, float] = {}
 
@@ -51,6 +54,9 @@ class CommMonitor(L.Callback):
         self.comm_seconds.append(comm)
         n = len(batch[0]) if isinstance(batch, (list, tuple)) else 0
         self.samples.append(n)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(float(loss.detach()))
         if self.log:
             pl_module.log_dict(
                 {"comm/bytes_sent": float(sent), "comm/seconds": comm, "perf/step_seconds": elapsed},

@@ -14,6 +14,7 @@ import torch
 
 import lightning_dist
 from lightning_dist import collectives
+from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 
@@ -49,15 +50,8 @@ def main() -> None:
         logger=False,
         deterministic=True,
     )
-    losses: list[float] = []
-
-    class Track(L.Callback):
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
-        ) -> None:  # type: ignore[no-untyped-def]
-            losses.append(float(outputs["loss"]))
-
-    trainer.callbacks.append(Track())
+    tracker = CommMonitor(log=False)
+    trainer.callbacks.append(tracker)
     collectives.reset_stats()
     trainer.fit(model)
     rank = trainer.global_rank
@@ -73,7 +67,7 @@ def main() -> None:
         "all_reduce_bytes_sent": collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
         "global_step": trainer.global_step,
         "train_loss": float(trainer.callback_metrics["train_loss"]),
-        "losses": losses,
+        "losses": tracker.losses,
     }
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
         json.dump(info, fh)

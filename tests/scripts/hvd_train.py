@@ -14,6 +14,7 @@ import lightning as L
 import torch
 
 import lightning_dist
+from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 
@@ -59,15 +60,8 @@ def main() -> None:
         logger=False,
         deterministic=True,
     )
-    losses: list[float] = []
-
-    class Track(L.Callback):
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
-        ) -> None:  # type: ignore[no-untyped-def]
-            losses.append(float(outputs["loss"]))
-
-    trainer.callbacks.append(Track())
+    tracker = CommMonitor(log=False)
+    trainer.callbacks.append(tracker)
     trainer.fit(model)
     rank = trainer.global_rank
     os.makedirs(a.out, exist_ok=True)
@@ -77,7 +71,7 @@ def main() -> None:
     info = {
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
-        "losses": losses,
+        "losses": tracker.losses,
         "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
         "lr_scale": strategy.applied_lr_scale,
         "stats": lightning_dist.collectives.stats().snapshot(),
