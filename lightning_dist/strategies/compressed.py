@@ -6,7 +6,10 @@
 
 Compressor state (error-feedback residuals, warm-start factors, momentum, step counters) differs per
 rank; checkpoints hold every rank's copy and the bucket layout it belongs to, and a resumed run
-loads its own rank's entry, so it continues as if never stopped.
+loads its own rank's entry, so it continues as if never stopped. DDP's first backward pass uses one
+pre-rebuild bucket; a resumed run splits it into the checkpointed layout's keys. Limits: a checkpoint
+taken after the very first optimizer step (before DDP rebuilt its buckets) does not resume exactly,
+and one resumed at another world size starts the compressor afresh (with a warning).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Every collective of every bucket is issued in one global order, the same on ever
 first round starts from the hook when no earlier bucket still has rounds to issue, its later rounds
 run inside the ``.then`` callback of the previous one (as torch's PowerSGD hook does), and a bucket
 that arrives while an earlier one is in flight queues behind it. torch's own PowerSGD hook lacks this
-ordering, which is why it fails on Gloo as soon as DDP has more than one bucket.
+ordering (chained all-reduces of different buckets can reach Gloo in different orders on different
+ranks), the likely reason it fails on Gloo as soon as DDP has more than one bucket.
 
 State is kept per *key*: the bucket index of DDP's steady (rebuilt) bucket layout. The layout, as
 parameter indices per key, is recorded so a resumed run can split DDP's first, pre-rebuild bucket
@@ -133,6 +134,7 @@ class _Bucket:
         return [torch.cat([self.grads[p].reshape(-1) for p in positions])]
 
     def write_back(self, units: list[_Unit]) -> Tensor:
+        """Copy every unit's results into the bucket's buffer, then let the exchanges go."""
         buffer, offsets = self.buffer, self.offsets
         for unit in units:
             results = [t for ex in unit.exchanges for t in ex.result]  # type: ignore[union-attr]
@@ -148,6 +150,7 @@ class _Bucket:
             else:
                 for pos, t in zip(unit.positions, results, strict=True):
                     buffer[offsets[pos] : offsets[pos + 1]].copy_(t.reshape(-1))
+        units.clear()
         return buffer
 
 
