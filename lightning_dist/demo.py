@@ -20,6 +20,7 @@ class DemoRun:
     strategy: str
     launcher: list[str] = field(default_factory=list)
     devices: int = 2
+    """Trainer ``devices`` per launched process: 2 when Lightning starts the ranks, 1 under mpirun."""
     needs: Optional[str] = None
     """A module that must import for this row to run (else the row is skipped with a reason)."""
 
@@ -33,6 +34,10 @@ def demo_runs() -> list[DemoRun]:
         DemoRun("Lightning DDPStrategy (reference)", "ddp"),
         DemoRun("DDP()", "ld_ddp"),
         DemoRun("DDP(reduce_op='adasum')", "ld_ddp_adasum"),
+        DemoRun("Compressed('fp16')", "compressed_fp16"),
+        DemoRun("Compressed('int8')", "compressed_int8"),
+        DemoRun("Compressed('powersgd', rank=4)", "compressed_powersgd"),
+        DemoRun("Compressed('topk', ratio=0.01)", "compressed_topk"),
         DemoRun("Horovod() (mpirun)", "horovod", mpirun, devices=1, needs="horovod.torch"),
         DemoRun("HorovodAdasum() (mpirun)", "horovod_adasum", mpirun, devices=1, needs="horovod.torch"),
     ]
@@ -103,7 +108,7 @@ def main(steps: int = 100, extra: Optional[list[str]] = None) -> int:
                 print(f"[demo] {run.label}: {reason}", flush=True)
                 rows.append((run.label, {"skipped": reason}))
                 continue
-            print(f"[demo] {run.label}: training {steps} steps on {run.devices} processes ...", flush=True)
+            print(f"[demo] {run.label}: training {steps} steps on 2 processes ...", flush=True)
             result = run_one(run, steps, workdir, extra)
             if "error" in result:
                 failed = True
