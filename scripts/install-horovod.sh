@@ -8,6 +8,7 @@
 #
 # Usage: scripts/install-horovod.sh            (uses `python` on PATH, e.g. the project venv)
 #        PYTHON=/path/to/python scripts/install-horovod.sh
+#        HOROVOD_SDIST=horovod-0.28.1.tar.gz scripts/install-horovod.sh   (offline: build from a local sdist)
 # Needs: a C++ compiler, cmake, OpenMPI (Debian: apt-get install -y libopenmpi-dev openmpi-bin).
 set -euo pipefail
 
@@ -27,7 +28,14 @@ if "$PYTHON" -c "import horovod.torch, sys; sys.exit(0 if horovod.__version__ ==
   exit 0
 fi
 
-"$PYTHON" -m pip install -q numpy packaging psutil pyyaml cloudpickle cffi pycparser
+build_deps=(numpy packaging psutil yaml cloudpickle cffi pycparser)
+missing=()
+for mod in "${build_deps[@]}"; do
+  "$PYTHON" -c "import $mod" 2>/dev/null || missing+=("$([ "$mod" = yaml ] && echo pyyaml || echo "$mod")")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  "$PYTHON" -m pip install -q "${missing[@]}"
+fi
 
 if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
   command -v mpicc >/dev/null || {
@@ -74,7 +82,7 @@ WRAP
   echo "install-horovod: building horovod $HOROVOD_VERSION for torch $torch_tag (cuda=$has_cuda); a few minutes"
   mkdir -p "$wheel_dir"
   "$PYTHON" -m pip wheel -q --no-build-isolation --no-deps --no-binary horovod \
-    "horovod==$HOROVOD_VERSION" -w "$work/out"
+    "${HOROVOD_SDIST:-horovod==$HOROVOD_VERSION}" -w "$work/out"
   mv "$work"/out/horovod-*.whl "$wheel_dir/"
 fi
 
