@@ -111,3 +111,16 @@ def test_torchmetrics_and_sync_dist_logging_are_global(tmp_path: Path) -> None:
     assert got["rank_plus_one"] == pytest.approx(1.5)
     # reduce_fx="sum" sums over ranks and over the epoch's batches: (1 + 2) x 4 batches per rank
     assert got["rank_sum"] == pytest.approx(3.0 * (N // 2) / 5)
+
+
+def test_torchrun_launch_matches_popen(tmp_path: Path) -> None:
+    popen = fit(tmp_path, "popen", "--strategy", "ld_ddp", "--max-steps", "3")
+    out = tmp_path / "torchrun"
+    run_script(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPTS / "ddp_run.py")]
+        + ["--strategy", "ld_ddp", "--max-steps", "3", "--out", str(out)]
+    )
+    for rank in (0, 1):
+        w, info = load_rank(out, rank)
+        assert info["world_size"] == 2 and info["hook_calls"] > 0
+        assert_same_weights(w, load_rank(popen, 0)[0], atol=0)
