@@ -42,15 +42,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mpirun(np: int) -> list[dict[str, Any]]:
+def run_mpirun(np: int, out_dir: Path) -> list[dict[str, Any]]:
     """Run the check script on ``np`` ranks; kill the whole process group on timeout or failure."""
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        HVD_CHECK_OUT=str(out_dir),
     )
     cmd = [
         "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np),
         "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}", "-x", "OMP_NUM_THREADS=1",
-        "-x", "PYTHONPATH", sys.executable, str(SCRIPT),
+        "-x", "PYTHONPATH", "-x", "HVD_CHECK_OUT", sys.executable, str(SCRIPT),
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
@@ -72,17 +74,19 @@ def run_mpirun(np: int) -> list[dict[str, Any]]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 0, f"mpirun -np {np} failed ({proc.returncode})\n{out[-3000:]}\n{err[-5000:]}"
-    results = [json.loads(line[len("RESULT ") :]) for line in out.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(f.read_text()) for f in sorted(out_dir.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == list(range(np)), f"missing ranks in output:\n{out}\n{err}"
     return sorted(results, key=lambda r: r["rank"])
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"np{n}")
-def mpi_results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+def mpi_results(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
     reason = _horovod_missing()
     if reason:
         pytest.skip(reason)
-    return run_mpirun(request.param)
+    return run_mpirun(request.param, tmp_path_factory.mktemp(f"hvd_check_np{request.param}"))
 
 
 @pytest.mark.horovod

@@ -164,7 +164,9 @@ def main() -> None:
     try:
         result = {"rank": rank, "size": size, "adasum": check_adasum(hvd, rank, size)}
         result["backend"] = check_backend(rank, size)
-        print("RESULT " + json.dumps(result), flush=True)
+        # one file per rank: mpirun may interleave the ranks' stdout within a line
+        with open(os.path.join(os.environ["HVD_CHECK_OUT"], f"rank{rank}.json"), "w") as fh:
+            json.dump(result, fh)
         dist.barrier()
     finally:
         dist.destroy_process_group()
