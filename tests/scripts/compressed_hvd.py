@@ -6,14 +6,14 @@ mpirun -np 2 python tests/scripts/compressed_hvd.py --compression bf16 --out DIR
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from typing import Any
 
 import lightning as L
 import torch
+from rank_io import save_rank
 
 import lightning_dist
+from lightning_dist.callbacks import CommMonitor
 from lightning_dist.compression import make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
@@ -31,14 +31,7 @@ def main() -> None:
     strategy = lightning_dist.Horovod(compression=compression)
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=8))
-    losses: list[float] = []
-
-    class Track(L.Callback):
-        def on_train_batch_end(
-            self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *_: Any
-        ) -> None:
-            losses.append(float(outputs["loss"]))
-
+    monitor = CommMonitor(log=False)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -51,22 +44,17 @@ def main() -> None:
         enable_model_summary=False,
         logger=False,
         deterministic=True,
-        callbacks=[Track()],
+        callbacks=[monitor],
     )
     trainer.fit(model)
     rank = trainer.global_rank
-    os.makedirs(a.out, exist_ok=True)
-    torch.save(
-        {k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt")
-    )
     info = {
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
-        "losses": losses,
+        "losses": monitor.losses,
         "stats": lightning_dist.collectives.stats().snapshot(),
     }
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_rank(a.out, rank, model, info)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ python tests/scripts/ddp_run.py --strategy ld_ddp --out DIR [--accumulate 2] [--
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import lightning as L
 import torch
+from rank_io import save_rank
 
 import lightning_dist
 from lightning_dist import collectives
@@ -55,10 +54,6 @@ def main() -> None:
     collectives.reset_stats()
     trainer.fit(model)
     rank = trainer.global_rank
-    os.makedirs(a.out, exist_ok=True)
-    torch.save(
-        {k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt")
-    )
     hook_state = getattr(trainer.strategy, "hook_state", None)
     info = {
         "world_size": trainer.world_size,
@@ -69,8 +64,7 @@ def main() -> None:
         "train_loss": float(trainer.callback_metrics["train_loss"]),
         "losses": tracker.losses,
     }
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_rank(a.out, rank, model, info)
 
 
 if __name__ == "__main__":

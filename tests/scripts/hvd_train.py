@@ -7,11 +7,10 @@ mpirun -np 2 python tests/scripts/hvd_train.py --strategy horovod --accumulate 2
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import lightning as L
 import torch
+from rank_io import save_rank
 
 import lightning_dist
 from lightning_dist.callbacks import CommMonitor
@@ -64,10 +63,6 @@ def main() -> None:
     trainer.callbacks.append(tracker)
     trainer.fit(model)
     rank = trainer.global_rank
-    os.makedirs(a.out, exist_ok=True)
-    torch.save(
-        {k: v.detach().cpu() for k, v in model.state_dict().items()}, os.path.join(a.out, f"rank{rank}.pt")
-    )
     info = {
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
@@ -76,8 +71,7 @@ def main() -> None:
         "lr_scale": strategy.applied_lr_scale,
         "stats": lightning_dist.collectives.stats().snapshot(),
     }
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_rank(a.out, rank, model, info)
 
 
 if __name__ == "__main__":
