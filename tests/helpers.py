@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,14 +28,38 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_command(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout or interruption kill the whole process group
+    (Lightning's rank children, mpirun's ranks), so nothing outlives the test."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(**env),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(cmd)} killed after {timeout}s\n{out[-3000:]}\n{err[-5000:]}"
+        ) from exc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers, or everything on an interrupt
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_script(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
     """Run a command (``python`` prepended when it starts with a .py path); fail with its output."""
     if args[0] == "python":
         args = [sys.executable, *args[1:]]
     cmd = [sys.executable, *args] if args[0].endswith(".py") else args
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=child_env(**env), cwd=ROOT
-    )
+    proc = run_command(cmd, timeout, **env)
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SCRIPTS, assert_same_weights, child_env, load_rank, max_abs_diff, run_script
+from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command, run_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.horovod]
 
@@ -36,7 +36,7 @@ def mpirun(
         script,
         *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=ROOT)
+    proc = run_command(cmd, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -62,13 +62,11 @@ def assert_trained_and_in_sync(out: Path) -> None:
 def test_horovod_adasum_trains_under_horovodrun(tmp_path: Path) -> None:
     out = tmp_path / "adasum"
     cmd = ["horovodrun", "--mpi", "-np", "2", sys.executable, str(SCRIPTS / "hvd_train.py")]
-    proc = subprocess.run(
+    proc = run_command(
         [*cmd, "--strategy", "horovod_adasum", "--max-steps", "12", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=child_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"),
-        cwd=ROOT,
+        240,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert_trained_and_in_sync(out)
@@ -153,14 +151,7 @@ def test_torchmetrics_and_sync_dist_under_horovod(tmp_path: Path) -> None:
 
 def test_adasum_refuses_gloo_controller_on_every_rank(tmp_path: Path) -> None:
     cmd = ["horovodrun", "--gloo", "-np", "2", sys.executable, str(SCRIPTS / "hvd_train.py")]
-    proc = subprocess.run(
-        [*cmd, "--strategy", "horovod_adasum", "--out", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=child_env(),
-        cwd=ROOT,
-    )
+    proc = run_command([*cmd, "--strategy", "horovod_adasum", "--out", str(tmp_path / "x")], 180)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert text.count("needs the MPI controller") >= 2, text[-3000:]
