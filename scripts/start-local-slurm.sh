@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Start a one-node SLURM cluster on this machine (for tests and trying the srun launch path).
+# Needs root and Debian's slurmctld slurmd slurm-client munge (installed if missing).
+# Prints the SLURM_CONF path to export; `scripts/start-local-slurm.sh stop` stops it.
+set -euo pipefail
+STATE=${LD_SLURM_DIR:-/tmp/lightning_dist_slurm}
+if [ "${1:-}" = stop ]; then
+  pkill -f "slurmctld -f $STATE" || true
+  pkill -f "slurmd -f $STATE" || true
+  exit 0
+fi
+if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null
+fi
+mkdir -p "$STATE"/{state,spool,log}
+cpus=$(nproc)
+host=$(hostname)
+cat >"$STATE/slurm.conf" <<CONF
+ClusterName=lightning_dist
+SlurmctldHost=$host
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$STATE/state
+SlurmdSpoolDir=$STATE/spool
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd.pid
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd.log
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+MpiDefault=none
+ReturnToService=2
+NodeName=$host CPUs=$cpus State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+if ! pgrep -x munged >/dev/null; then
+  mkdir -p /run/munge /var/log/munge /var/lib/munge /etc/munge
+  [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
+  chown -R munge:munge /run/munge /var/log/munge /var/lib/munge /etc/munge 2>/dev/null || true
+  chmod 400 /etc/munge/munge.key
+  su -s /bin/sh munge -c munged 2>/dev/null || munged --force
+fi
+export SLURM_CONF=$STATE/slurm.conf
+pgrep -f "slurmctld -f $STATE" >/dev/null || slurmctld -f "$SLURM_CONF"
+pgrep -f "slurmd -f $STATE" >/dev/null || slurmd -f "$SLURM_CONF"
+for _ in $(seq 1 30); do
+  if sinfo -h -o %T 2>/dev/null | grep -qE "idle|mix|alloc"; then
+    echo "SLURM_CONF=$SLURM_CONF"
+    exit 0
+  fi
+  sleep 1
+done
+echo "start-local-slurm: the node did not come up; see $STATE/log" >&2
+sinfo >&2 || true
+exit 1
