@@ -55,3 +55,30 @@ def test_srun_launch_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
         w, info = load_rank(out, rank)
         assert info["world_size"] == 2 and info["hook_calls"] > 0
         assert_same_weights(w, load_rank(popen, 0)[0], atol=0)
+
+
+def test_horovod_adasum_under_srun_pmix(tmp_path: Path, slurm_conf: str) -> None:
+    pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
+    out = tmp_path / "hvd"
+    cmd = [
+        "srun",
+        "--mpi=pmix",
+        "-N",
+        "1",
+        "--ntasks-per-node",
+        "2",
+        "--export",
+        "ALL",
+        "--kill-on-bad-exit=1",
+    ]
+    proc = run_command(
+        [*cmd, "python", str(SCRIPTS / "hvd_train.py"), "--strategy", "horovod_adasum", "--max-steps", "6"]
+        + ["--out", str(out)],
+        240,
+        SLURM_CONF=slurm_conf,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    w0, info0 = load_rank(out, 0)
+    w1, info1 = load_rank(out, 1)
+    assert info0["world_size"] == 2 and info0["stats"]["adasum.calls"] == 6
+    assert_same_weights(w0, w1, atol=0)
