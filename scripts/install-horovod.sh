@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build and install horovod 0.28.1 against the torch already installed in the active Python.
 #
-# Horovod's last release compiles with -std=c++14, which current torch headers reject
-# (horovod issue 3996), so the build goes through a compiler wrapper that rewrites the standard to
+# Horovod's last release compiles with -std=c++14, which current torch headers reject (they need
+# C++17), so the build goes through a compiler wrapper that rewrites the standard to
 # C++17. With CUDA present it also builds NCCL operations. The built wheel is cached, keyed by the
 # torch version, so a second run only reinstalls it.
 #

@@ -1,4 +1,5 @@
-"""DDP(reduce_op="adasum") over Gloo at 2 and 3 ranks (Horovod's Adasum cannot do either Gloo or 3)."""
+"""DDP(reduce_op="adasum") over Gloo: one SGD step against an independent Adasum reference, then
+training at 2 and 3 ranks (Horovod's Adasum can do neither Gloo nor 3 ranks)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,29 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import SCRIPTS, assert_same_weights, load_rank, run_script
+from references import adasum_pair, local_gradients, max_diff
 
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 pytestmark = pytest.mark.slow
+LR = 0.5
+ATOL = 1e-6
+
+
+def test_one_sgd_step_is_p0_minus_lr_adasum_of_the_gradients(tmp_path: Path) -> None:
+    out = tmp_path / "step"
+    run_script([str(SCRIPTS / "one_step.py"), "--strategy", "ld_ddp_adasum", "--optimizer", "sgd",
+                "--lr", str(LR), "--out", str(out)])  # fmt: skip
+    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    start = ranks[0]["start"]
+    g0, g1 = (local_gradients(start, r["batch"]) for r in ranks)
+    assert max_diff(g0, g1) > 1e-3, "the ranks must see different batches"
+    adasum = {n: start[n] - LR * adasum_pair(g0[n], g1[n]).float() for n in g0}
+    average = {n: start[n] - LR * (g0[n] + g1[n]) / 2 for n in g0}
+    for r in ranks:
+        final = {n: r["final"][n] for n in g0}
+        assert max_diff(final, adasum) < ATOL, f"off the Adasum reference by {max_diff(final, adasum)}"
+        assert max_diff(final, average) > 100 * ATOL, "a plain average would pass too: the test is blind"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

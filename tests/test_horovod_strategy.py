@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command, run_script
+from references import adasum_pair, local_gradients, max_diff, optimizer_update
 
 pytestmark = [pytest.mark.slow, pytest.mark.horovod]
 
@@ -73,6 +75,31 @@ def test_horovod_adasum_trains_under_horovodrun(tmp_path: Path) -> None:
     _, info = load_rank(out, 0)
     assert info["lr_scale"] == 1.0, "Adasum on CPU does not scale the learning rate"
     assert info["stats"]["adasum.calls"] == 12, "one Adasum of the updates per optimizer step"
+
+
+def test_horovod_adasum_one_adam_step_combines_the_updates(tmp_path: Path) -> None:
+    """p1 = p0 + Adasum(delta_0, delta_1), delta_r being Adam's update from rank r's own gradient."""
+    out, lr = tmp_path / "step", 0.01
+    cmd = ["horovodrun", "--mpi", "-np", "2", sys.executable, str(SCRIPTS / "one_step.py")]
+    proc = run_command(
+        [*cmd, "--strategy", "horovod_adasum", "--devices", "1", "--optimizer", "adam", "--lr", str(lr),
+         "--out", str(out)],
+        200,
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
+    start = ranks[0]["start"]
+    g0, g1 = (local_gradients(start, r["batch"]) for r in ranks)
+    d0, d1 = (optimizer_update(start, g, "adam", lr) for g in (g0, g1))
+    expected = {n: start[n] + adasum_pair(d0[n], d1[n]).float() for n in g0}
+    combined = {n: adasum_pair(g0[n], g1[n]).float() for n in g0}
+    gradient_space = {n: start[n] + d for n, d in optimizer_update(start, combined, "adam", lr).items()}
+    for r in ranks:
+        final = {n: r["final"][n] for n in g0}
+        assert max_diff(final, expected) < 1e-6, f"off the update-space reference by {max_diff(final, expected)}"
+        assert max_diff(final, gradient_space) > 1e-4, "gradient-space Adasum would pass too: the test is blind"
 
 
 def test_horovod_average_trains_and_matches_lightning_ddp_with_clipping(tmp_path: Path) -> None:

@@ -4,7 +4,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.ddp import DDP
-from lightning_dist.strategies.horovod import Horovod, HorovodAdasum
+from lightning_dist.strategies.horovod import Horovod
+from lightning_dist.strategies.horovod_adasum import HorovodAdasum
 
 for _strategy in (DDP, Compressed, Horovod, HorovodAdasum):
     _strategy.register_strategies(StrategyRegistry)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any, Optional, TypeVar, Union
 
 import torch
+from lightning.pytorch.strategies import Strategy
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.collectives.autograd import all_gather_with_grad
@@ -18,12 +20,25 @@ from lightning_dist.strategies.options import reduce_op_name
 T = TypeVar("T")
 
 
-class CollectiveOpsMixin:
-    """Mixin for a Lightning ``Strategy``; put it before the Lightning base class."""
+def _check_group(method: str, group: Optional[Any]) -> None:
+    """Every collective spans all ranks of the strategy's communicator; a sub-group is refused."""
+    if group is not None:
+        raise ValueError(
+            f"{method}(group={group!r}) is not supported: lightning_dist strategies reduce over all "
+            "ranks of their communicator; accepted: group=None (for sync_dist logging, leave "
+            "sync_dist_group unset)"
+        )
 
+
+class CollectiveOpsMixin(Strategy):
+    """Lightning's collective methods for a strategy; put it before the Lightning base class
+    (``class DDP(CollectiveOpsMixin, DDPStrategy)``)."""
+
+    @override
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
     ) -> Union[Tensor, Any]:
+        _check_group("reduce", group)
         if not isinstance(tensor, Tensor):
             return tensor
         op = reduce_op_name("reduce_op", reduce_op, ("sum", "avg", "min", "max"))
@@ -32,13 +47,17 @@ class CollectiveOpsMixin:
             result = result.float()
         return collectives.all_reduce(result, op)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        _check_group("all_gather", group)
         if sync_grads:
             return all_gather_with_grad(collectives.current(), tensor)
         return torch.stack(collectives.all_gather(tensor.contiguous(), same_shape=True))
 
+    @override
     def broadcast(self, obj: T, src: int = 0) -> T:
         return collectives.broadcast_object(obj, src)
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         collectives.barrier()

@@ -14,6 +14,7 @@ and one resumed at another world size starts the compressor afresh (with a warni
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
@@ -28,6 +29,8 @@ from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import reduce_op_name
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.compressed"
 COMPRESSED_REDUCE_OPS = ("avg", "adasum")
@@ -129,6 +132,7 @@ class Compressed(DDP):
         assert isinstance(self.model, DistributedDataParallel)
         self.hook_state.param_index = {id(p): i for i, p in enumerate(self.model.module.parameters())}
         super()._register_ddp_hooks()
+        logger.debug("Compressed: %r on %d parameters", self.compressor, len(self.hook_state.param_index))
 
     # -- accounting ---------------------------------------------------------------------------------
     @override

@@ -1,11 +1,9 @@
 """A DDP communication hook that runs a compressor's ``Exchange`` over ``lightning_dist.collectives``.
 
-Every collective of every bucket is issued in one global order, the same on every rank: a bucket's
-first round starts from the hook when no earlier bucket still has rounds to issue, its later rounds
-run inside the ``.then`` callback of the previous one (as torch's PowerSGD hook does), and a bucket
-that arrives while an earlier one is in flight queues behind it. torch's own PowerSGD hook lacks this
-ordering (chained all-reduces of different buckets can reach Gloo in different orders on different
-ranks), the likely reason it fails on Gloo as soon as DDP has more than one bucket.
+Every collective of every bucket is issued in one global order, the same on every rank
+(``collectives.exchanges.run_exchanges``): a bucket's first round starts from the hook when no earlier
+bucket still has rounds to issue, its later rounds start from the completion callback of the previous
+one, and a bucket that arrives while an earlier one is in flight queues behind it.
 
 State is kept per *key*: the bucket index of DDP's steady (rebuilt) bucket layout. The layout, as
 parameter indices per key, is recorded so a resumed run can split DDP's first, pre-rebuild bucket
@@ -23,7 +21,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dist import collectives
-from lightning_dist.collectives import Communicator
+from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import Compressor, Exchange, reference_bytes
 
 Layout = dict[int, list[int]]
@@ -75,44 +73,6 @@ class CompressedHookState:
                 self._warned = True
             self.planned = None
         return [(bucket_index, list(range(len(indices))))]
-
-
-def _issue(comm: Communicator, unit: _Unit) -> Future:
-    """Start the collective of ``unit``'s current round."""
-    rounds = [ex.round for ex in unit.exchanges]
-    first = rounds[0]
-    assert first is not None
-    if len(rounds) > 1:
-        if any(r is None or r.kind != "allreduce" or r.op != first.op for r in rounds):
-            raise RuntimeError("Compressed: lockstep exchanges must all be in the same all-reduce round")
-        return comm.all_reduce_async([r.payload for r in rounds], first.op)  # type: ignore[union-attr]
-    if first.kind == "allreduce":
-        return comm.all_reduce_async(first.payload, first.op)
-    if first.kind == "allgather":
-        return comm.all_gather_async(first.payload, same_shape=True)
-    return comm.all_to_all_async(list(first.payload.unbind(0)))
-
-
-def _feed(unit: _Unit, received: Any) -> None:
-    if len(unit.exchanges) == 1:
-        unit.exchanges[0].feed(received)
-    else:
-        for ex, value in zip(unit.exchanges, received, strict=True):
-            ex.feed(value)
-
-
-def _pending(units: list[_Unit]) -> list[_Unit]:
-    return [u for u in units if u.exchanges[0].round is not None]
-
-
-def _run(units: list[_Unit], received: Any = None) -> None:
-    """Feed ``received`` to the first pending unit's round (if given), then run every round left, blocking."""
-    comm = collectives.current()
-    for i, unit in enumerate(_pending(units)):
-        if i == 0 and received is not None:
-            _feed(unit, received)
-        while unit.exchanges[0].round is not None:
-            _feed(unit, _issue(comm, unit).wait())
 
 
 class _Bucket:
@@ -181,28 +141,21 @@ def compressed_hook(
     if bucket.is_last():
         state.layout, state._current = state._current, {}
 
-    pending = _pending(units)
-    if not pending:
-        done: Future = Future(devices=[data.buffer.device] if data.buffer.is_cuda else None)
-        done.set_result(data.write_back(units))
-        return done
-
+    device = data.buffer.device
+    finished: Future = Future(devices=[device] if device.type == "cuda" else None)
+    groups = [unit.exchanges for unit in units]
     tail = state._tail
     if tail is None or tail.done():
-        first = _issue(comm, pending[0])
-
-        def _rest(f: Future) -> Tensor:
-            _run(units, f.value())
-            return data.write_back(units)
-
-        result = first.then(_rest)
+        # the first collective goes out now, overlapping the rest of the backward pass
+        pending = [g for g in groups if g[0].round is not None]
+        inflight = start_round(comm, pending[0]) if pending else None
+        run_exchanges(comm, groups, inflight=inflight, done=finished)
     else:
+        run_exchanges(comm, groups, after=tail, done=finished)
+    state._tail = finished
+    return finished.then(lambda f: _written_back(f, data, units))
 
-        def _after(f: Future) -> Tensor:
-            f.value()
-            _run(units)
-            return data.write_back(units)
 
-        result = tail.then(_after)
-    state._tail = result
-    return result
+def _written_back(finished: Future, data: _Bucket, units: list[_Unit]) -> Tensor:
+    finished.value()  # re-raises a failed exchange
+    return data.write_back(units)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional
@@ -22,6 +23,8 @@ from lightning_dist.strategies.options import (
     reduce_op_name,
     reject_unknown_options,
 )
+
+logger = logging.getLogger(__name__)
 
 PROCESS_GROUP_BACKENDS = (None, "gloo", "nccl", "mpi")
 START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
@@ -113,11 +116,21 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         collectives.use(collectives.Communicator(collectives.TorchBackend()))
+        logger.debug(
+            "%s: process group ready (rank %d of %d, backend %s); collectives installed",
+            type(self).__name__,
+            self.global_rank,
+            self.world_size,
+            self._get_process_group_backend(),
+        )
 
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(self.hook_state, self._comm_hook())
+        logger.debug(
+            "%s: comm hook %s registered on %s", type(self).__name__, self._comm_hook().__name__, self.root_device
+        )
 
     @override
     def teardown(self) -> None:

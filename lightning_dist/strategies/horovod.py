@@ -2,13 +2,13 @@
 
 Processes come from horovodrun, mpirun or srun (one rank each). Gradients are reduced as they
 become ready (a post-accumulate-grad hook per parameter launches an async all-reduce, which
-Horovod fuses), and waited for before clipping and the optimizer step. With ``op="adasum"`` the
-optimizer steps on local gradients and Horovod's Adasum combines the *updates* (p_new - p_old),
-as Horovod's own ``DistributedOptimizer`` does for Adasum.
+Horovod fuses), and waited for before clipping and the optimizer step. ``HorovodAdasum``
+(``horovod_adasum.py``) combines optimizer updates instead.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Optional, Union
@@ -22,11 +22,14 @@ from torch.futures import Future
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.options import check_choice, reject_unknown_options
+
+logger = logging.getLogger(__name__)
 
 HOROVOD_OPS = ("average", "sum", "adasum")
 HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
@@ -36,7 +39,8 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     """Data-parallel training over Horovod (MPI or Gloo controller; NCCL on GPUs when built).
 
     Args:
-        op: ``"average"`` (default), ``"sum"`` or ``"adasum"`` (Horovod's MPI Adasum of optimizer updates).
+        op: ``"average"`` (default), ``"sum"`` or ``"adasum"`` (``Horovod(op="adasum")`` makes a
+            ``HorovodAdasum``: Horovod's MPI Adasum of optimizer updates).
         compression: ``None``/``"none"``, ``"fp16"`` or ``"bf16"`` (gradients cross the wire in half
             precision), or a ``lightning_dist.compression.Compressor`` whose ``aggregation`` is
             ``"allreduce"`` (its exchange runs at world size 1 and Horovod's all-reduce averages).
@@ -46,6 +50,15 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     """
 
     strategy_name = "horovod"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Horovod:
+        """``Horovod(op="adasum")`` is an alias of ``HorovodAdasum()``."""
+        op = kwargs.get("op", args[0] if args else "average")
+        if cls is Horovod and op == "adasum":
+            from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+
+            return super().__new__(HorovodAdasum)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -64,10 +77,6 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         )
         check_choice("op", op, HOROVOD_OPS)
         compressor = _horovod_compressor(compression)
-        if compressor is not None and op == "adasum":
-            raise ValueError(
-                f"compression={compression!r} is not supported with op='adasum'; accepted there: None, 'none'"
-            )
         if not (lr_scale == "auto" or (isinstance(lr_scale, (int, float)) and lr_scale > 0)):
             raise ValueError(f"lr_scale={lr_scale!r}; accepted: 'auto' or a number > 0")
         super().__init__(
@@ -79,7 +88,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self.lr_scale = lr_scale
         self._backend: Optional[HorovodBackend] = None
         self._sync_grads = True
-        self._pending: list[tuple[Tensor, Future, Optional[Exchange]]] = []
+        self._pending: list[tuple[Tensor, Optional[Future], Optional[Exchange]]] = []
         self._hook_handles: list[Any] = []
         self.applied_lr_scale = 1.0
 
@@ -111,6 +120,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         return self.backend.world_size
 
     @property
+    @override
     def is_distributed(self) -> bool:
         return True
 
@@ -135,6 +145,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         collectives.use(collectives.Communicator(self.backend))
+        logger.debug("%s: rank %d of %d on %s", type(self).__name__, self.global_rank, self.world_size, self.root_device)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
@@ -154,23 +165,21 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self.model_to_device()
         assert self.model is not None
         self._broadcast_module_state()
-        route_metric_sync(self.model)
+        metrics = route_metric_sync(self.model)
+        logger.debug("%s: model broadcast from rank 0; %d torchmetrics routed", type(self).__name__, metrics)
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
             self._scale_learning_rates()
             self._broadcast_optimizer_state()
-            if self.op != "adasum":
-                self._register_gradient_hooks()
+            logger.debug("%s: optimizers broadcast; lr scaled by %s", type(self).__name__, self.applied_lr_scale)
+            self._setup_gradient_sync()
         self.setup_precision_plugin()
 
     def _check_configuration(self, trainer: L.Trainer) -> None:
-        if self.op == "adasum":
-            if "16" in str(trainer.precision) and "bf16" not in str(trainer.precision):
-                raise ValueError(
-                    f"precision={trainer.precision!r} is not supported with op='adasum' (fp16 Adasum loses the "
-                    "updates' scale); accepted: '32-true', 'bf16-mixed', 'bf16-true'"
-                )
-            self.backend.check_adasum(self.root_device.type)
+        """Refuse, on every rank, what this job cannot run (before any collective)."""
+
+    def _setup_gradient_sync(self) -> None:
+        self._register_gradient_hooks()
 
     def _broadcast_module_state(self) -> None:
         assert self.model is not None
@@ -188,11 +197,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         """The factor ``lr_scale`` resolves to for this job (see the class docstring)."""
         if self.lr_scale != "auto":
             return float(self.lr_scale)
-        if self.op == "average":
-            return float(self.world_size)
-        if self.op == "adasum" and self.root_device.type == "cuda":
-            return float(self.backend.local_size)
-        return 1.0
+        return float(self.world_size) if self.op == "average" else 1.0
 
     def _scale_learning_rates(self) -> None:
         factor = self.lr_scale_factor()
@@ -209,38 +214,47 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
 
     def _register_gradient_hooks(self) -> None:
         assert self.model is not None
-        op = "avg" if self.op == "average" else "sum"
-        self._op = op
         for i, p in enumerate(self.model.parameters()):
             if p.requires_grad:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(op, i)))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+        logger.debug("Horovod: gradient hooks on %d parameters (op=%s)", len(self._hook_handles), self.op)
 
-    def _make_hook(self, op: str, key: int = 0) -> Callable[[Tensor], None]:
+    def _make_hook(self, key: int) -> Callable[[Tensor], None]:
+        """Start the gradient's all-reduce (or its compressor's first round) as soon as it is ready."""
+        op = "avg" if self.op == "average" else "sum"
+        comm = collectives.current
+
         def hook(param: Tensor) -> None:
             if not self._sync_grads or param.grad is None:
                 return
             grad = param.grad
             if self.compressor is None or not grad.is_floating_point():
-                self._pending.append((grad, collectives.all_reduce_async(grad, op), None))
+                self._pending.append((grad, comm().all_reduce_async(grad, op), None))
                 return
+            # started for world size 1: Horovod's all-reduce with `op` does the averaging
             ex = self.compressor.exchange(key, grad, world_size=1)
-            rnd = ex.round
-            fut = _all_reduce_wire(rnd.payload, op) if rnd is not None else None
-            self._pending.append((grad, fut, ex))  # type: ignore[arg-type]
+            first = start_round(comm(), [ex], op) if ex.round is not None else None
+            self._pending.append((grad, first, ex))
 
         return hook
 
     def _wait_for_gradients(self) -> None:
+        """Finish every exchange (later rounds in hook order, the same on every rank), write back."""
         pending, self._pending = self._pending, []
+        op = "avg" if self.op == "average" else "sum"
+        comm = collectives.current()
+        chain: Optional[Future] = None
+        for _, first, ex in pending:
+            if ex is not None:
+                chain = run_exchanges(comm, [[ex]], after=chain, inflight=first, all_reduce_op=op)
+        if chain is not None:
+            chain.wait()
         for grad, fut, ex in pending:
             if ex is not None:
-                if fut is not None:
-                    ex.feed(fut.wait())
-                while ex.round is not None:
-                    ex.feed(_all_reduce_wire(ex.round.payload, self._op).wait())
                 assert ex.result is not None
                 grad.copy_(ex.result[0])
                 continue
+            assert fut is not None
             reduced = fut.wait()
             if reduced is not grad and reduced.data_ptr() != grad.data_ptr():
                 grad.copy_(reduced)
@@ -260,28 +274,12 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
     ) -> Any:
-        if self.op == "adasum":
-            return self._adasum_step(optimizer, closure, model, **kwargs)
-
         def closure_then_sync() -> Any:
             result = closure()
             self._wait_for_gradients()  # before Lightning clips gradients and the optimizer steps
             return result
 
         return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-
-    def _adasum_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any], **kwargs: Any
-    ) -> Any:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        before = [p.detach().clone() for p in params]
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        with torch.no_grad():
-            deltas = [p.detach() - b for p, b in zip(params, before)]
-            collectives.all_reduce(deltas, "adasum")
-            for p, b, d in zip(params, before, deltas):
-                p.copy_(b + d)
-        return result
 
     @override
     def teardown(self) -> None:
@@ -317,39 +315,3 @@ def _horovod_compressor(compression: Any) -> Optional[Compressor]:
         return compression
     check_choice("compression", compression, HOROVOD_COMPRESSIONS)
     return None if compression in (None, "none") else COMPRESSORS[compression]()
-
-
-def _all_reduce_wire(payload: Tensor, op: str) -> Future:
-    """All-reduce a compressor's payload. Horovod 0.28 cannot reduce bfloat16 tensors, so bf16 words
-    are all-gathered and summed in fp32 (in rank order, so every rank gets the same result) while
-    that sends no more than an fp32 ring all-reduce (world size <= 4), else reduced as fp32."""
-    if payload.dtype != torch.bfloat16:
-        return collectives.all_reduce_async(payload, op)
-    w = collectives.current().world_size
-    if w > 4:
-        return collectives.all_reduce_async(payload.float(), op).then(lambda f: f.value().to(torch.bfloat16))
-
-    def _reduce(f: Future) -> Tensor:
-        total = torch.stack(f.value()).view(torch.bfloat16).float().sum(0)
-        return (total / w if op == "avg" else total).to(torch.bfloat16)
-
-    return collectives.all_gather_async(payload.view(torch.int16), same_shape=True).then(_reduce)
-
-
-class HorovodAdasum(Horovod):
-    """``Horovod(op="adasum")``: Horovod's MPI Adasum of optimizer updates (launch with MPI)."""
-
-    strategy_name = "horovod_adasum"
-
-    def __init__(self, lr_scale: Union[str, float] = "auto", **kwargs: Any) -> None:
-        if "op" in kwargs and kwargs["op"] != "adasum":
-            raise ValueError(
-                f"op={kwargs['op']!r}: HorovodAdasum always uses 'adasum'; use Horovod(op=...) instead"
-            )
-        kwargs.pop("op", None)
-        super().__init__(op="adasum", lr_scale=lr_scale, **kwargs)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("horovod_adasum", cls, description="lightning_dist Horovod with Adasum")

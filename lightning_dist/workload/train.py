@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -35,16 +37,34 @@ class TrainRun:
 
 
 def build_strategy(spec: str) -> Any:
-    """A name from the StrategyRegistry stays a string; 'module:Class' or 'module:Class(kw=v)' is built."""
+    """A registered name stays a string; ``module:Class`` or ``module:Class(kw=literal, ...)`` is built.
+
+    Keyword values must be Python literals (numbers, strings, booleans, None, lists, dicts): nothing
+    from the command line is evaluated as code.
+    """
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
 
     if ":" not in spec:
         return spec
     module_name, _, expr = spec.partition(":")
-    import importlib
+    try:
+        call = ast.parse(expr if "(" in expr else expr + "()", mode="eval").body
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+            raise ValueError("not a call with keyword arguments")
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg is not None}
+        if len(kwargs) != len(call.keywords):
+            raise ValueError("**kwargs are not accepted")
+    except (SyntaxError, ValueError) as exc:
+        raise ValueError(
+            f"--strategy {spec!r}: {exc}; accepted: a registered name, 'module:Class' or "
+            "'module:Class(keyword=literal, ...)'"
+        ) from None
+    from lightning.pytorch.strategies import Strategy
 
-    module = importlib.import_module(module_name)
-    return eval(expr if "(" in expr else expr + "()", vars(module))  # noqa: S307  (trusted CLI input)
+    cls = getattr(importlib.import_module(module_name), call.func.id, None)
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ValueError(f"--strategy {spec!r}: {module_name}.{call.func.id} is not a Lightning Strategy class")
+    return cls(**kwargs)
 
 
 def train(run: TrainRun) -> dict[str, Any]:

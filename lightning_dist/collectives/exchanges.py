@@ -1,0 +1,136 @@
+"""The one driver that maps a compressor's ``Exchange`` rounds to collectives.
+
+A compressor (``lightning_dist.compression``) never talks to a transport: each ``Exchange`` yields
+rounds (a payload and how it is aggregated) and takes their aggregates back. ``run_exchanges`` runs
+the rounds of a sequence of exchange groups over a ``Communicator``, one collective per round, in
+one fixed order (group by group, round by round), so every rank issues the same collectives in the
+same order. It never blocks: each round is started from the completion callback of the one before,
+so it is safe inside DDP comm hooks and transport completion threads. The DDP compressed hook,
+``Horovod(compression=...)`` and the tests all drive compressors through it.
+
+A *group* is one exchange, or several exchanges in lockstep whose all-reduce rounds travel as one
+fused all-reduce (Adasum per tensor in the compressed hook).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+from torch.futures import Future
+
+if TYPE_CHECKING:
+    from lightning_dist.collectives.communicator import Communicator
+    from lightning_dist.compression import Exchange
+
+Group = Sequence["Exchange"]
+
+
+def start_round(comm: Communicator, group: Group, all_reduce_op: Optional[str] = None) -> Future:
+    """Start the collective of ``group``'s current round; the future holds what ``feed`` takes.
+
+    ``all_reduce_op`` replaces the op of all-reduce rounds (Horovod averages exchanges that were
+    started for world size 1)."""
+    rounds = [ex.round for ex in group]
+    first = rounds[0]
+    if first is None:
+        raise RuntimeError("start_round: the exchange has no round left")
+    op = all_reduce_op or first.op
+    if len(rounds) > 1:
+        if any(r is None or r.kind != "allreduce" or r.op != first.op for r in rounds):
+            raise RuntimeError("run_exchanges: lockstep exchanges must all be in the same all-reduce round")
+        return comm.all_reduce_async([r.payload for r in rounds if r is not None], op)
+    if first.kind == "allreduce":
+        return comm.all_reduce_async(first.payload, op)
+    if first.kind == "allgather":
+        return comm.all_gather_async(first.payload, same_shape=True)
+    return comm.all_to_all_async(list(first.payload.unbind(0)))
+
+
+def feed(group: Group, received: Any) -> None:
+    """Hand a round's aggregate to the group's exchange(s)."""
+    if len(group) == 1:
+        group[0].feed(received)
+    else:
+        for ex, value in zip(group, received, strict=True):
+            ex.feed(value)
+
+
+class _Driver:
+    """Walks the groups' rounds from completion callbacks; completes ``done`` with None at the end."""
+
+    def __init__(self, comm: Communicator, groups: Sequence[Group], op: Optional[str], done: Future) -> None:
+        self.comm = comm
+        self.groups = deque(list(g) for g in groups if g and g[0].round is not None)
+        self.op = op
+        self.done = done
+
+    def start(self, inflight: Optional[Future]) -> None:
+        if inflight is None:
+            self._advance()
+        else:
+            inflight.add_done_callback(self._landed)
+
+    def _landed(self, fut: Future) -> None:
+        try:
+            feed(self.groups[0], fut.value())
+        except BaseException as exc:  # noqa: BLE001  (delivered through the done future)
+            self.done.set_exception(exc)
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        """Start rounds until one is in flight; rounds that complete at once are fed in this loop."""
+        try:
+            while True:
+                while self.groups and self.groups[0][0].round is None:
+                    self.groups.popleft()
+                if not self.groups:
+                    self.done.set_result(None)
+                    return
+                fut = start_round(self.comm, self.groups[0], self.op)
+                if not fut.done():
+                    fut.add_done_callback(self._landed)
+                    return
+                feed(self.groups[0], fut.value())
+        except BaseException as exc:  # noqa: BLE001  (delivered through the done future)
+            self.done.set_exception(exc)
+
+
+def run_exchanges(
+    comm: Communicator,
+    groups: Sequence[Group],
+    *,
+    after: Optional[Future] = None,
+    inflight: Optional[Future] = None,
+    all_reduce_op: Optional[str] = None,
+    done: Optional[Future] = None,
+) -> Future:
+    """Run every round of every group, in order; the returned future completes (with None) when
+    every exchange has its ``result``, or holds the first error.
+
+    Args:
+        after: start only once this future completes (serialises calls: pass the previous call's
+            future so later rounds of different calls cannot interleave differently on different ranks).
+        inflight: the future of the first group's current round, when the caller already started it
+            with ``start_round`` (to get the first collective going before the previous call ends).
+        all_reduce_op: see ``start_round``.
+        done: the future to complete (e.g. one made with ``devices=`` for CUDA stream semantics).
+    """
+    out: Future = Future() if done is None else done
+    driver = _Driver(comm, groups, all_reduce_op, out)
+    if after is None:
+        driver.start(inflight)
+        return out
+
+    def _go(prev: Future) -> None:
+        try:
+            prev.value()
+        except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
+            out.set_exception(exc)
+            return
+        driver.start(inflight)
+
+    after.add_done_callback(_go)
+    return out

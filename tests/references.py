@@ -1,0 +1,46 @@
+"""Independent references for trainer-level tests: local gradients of the tiny workload, the
+pairwise Adasum rule and torch's own optimizers, written without lightning_dist's reduction code."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+
+Weights = dict[str, Tensor]
+
+
+def local_gradients(start: Weights, batch: list[Tensor]) -> Weights:
+    """Gradient of the tiny workload's loss on ``batch`` at weights ``start``, on this process alone."""
+    torch.set_num_threads(1)
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
+    model.load_state_dict(start)
+    loss = torch.nn.functional.cross_entropy(
+        model(batch[0]).flatten(0, 1).float(), batch[1].flatten()
+    )
+    loss.backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def adasum_pair(a: Tensor, b: Tensor) -> Tensor:
+    """a (1 - a.b / 2|a|^2) + b (1 - a.b / 2|b|^2) in float64; a zero vector leaves the other as is."""
+    a64, b64 = a.double().flatten(), b.double().flatten()
+    dot, aa, bb = float(a64 @ b64), float(a64 @ a64), float(b64 @ b64)
+    ca = 1.0 - dot / (2 * aa) if aa > 0 else 1.0
+    cb = 1.0 - dot / (2 * bb) if bb > 0 else 1.0
+    return (ca * a64 + cb * b64).reshape(a.shape)
+
+
+def optimizer_update(start: Weights, grads: Weights, optimizer: str, lr: float) -> Weights:
+    """p_new - p for one step of torch's ``optimizer`` ("sgd" or "adam") from ``start`` with ``grads``."""
+    params = {n: torch.nn.Parameter(start[n].clone()) for n in grads}
+    for n, p in params.items():
+        p.grad = grads[n].clone()
+    cls = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+    cls(list(params.values()), lr=lr).step()
+    return {n: p.detach() - start[n] for n, p in params.items()}
+
+
+def max_diff(a: Weights, b: Weights) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
