@@ -20,7 +20,7 @@ from lightning_dist.compression import (
     reference_bytes,
     simulate,
 )
-from lightning_dist.compression.demo import dct_matrix
+from lightning_dist.compression.decoupled_momentum import dct_matrix
 
 FAST = settings(max_examples=15, deadline=None)
 Grads = list[list[torch.Tensor]]
@@ -87,6 +87,12 @@ def test_factory_builds_every_name() -> None:
         ("demo", {"topk": 65}, "topk=65 must be an integer in [1, 64]"),
         ("demo", {"beta": 1.5}, "beta=1.5 must be in [0, 1]"),
         ("fp16", {"ratio": 0.1}, "unknown option 'ratio'; accepted: none"),
+        ("powersgd", {"min_compression_rate": math.nan}, "min_compression_rate=nan must be a number >= 0"),
+        ("powersgd", {"warm_start": 1}, "powersgd: warm_start=1 must be True or False"),
+        ("int8", {"seed": -1}, "int8: seed=-1 must be an integer >= 0"),
+        ("sign", {"chunk_size": 8.0}, "chunk_size=8.0 must be a positive multiple of 8"),
+        ("demo", {"beta": True}, "demo: beta=True must be in [0, 1]"),
+        ("topk", {"ratio": math.nan}, "topk: ratio=nan must be in (0, 1]"),
     ],
 )
 def test_bad_options_name_the_option(name: str, options: dict[str, Any], expected: str) -> None:

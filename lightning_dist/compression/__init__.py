@@ -1,26 +1,28 @@
-"""Gradient compressors: pure tensor algorithms with their state; no transport (see ``base``)."""
+"""Gradient compressors: pure tensor algorithms with their state; no transport (see ``protocol``).
+
+Modules: ``protocol`` (rounds, exchanges, the ``Compressor`` base and its state), ``wire`` (bytes one
+rank sends per collective), ``packing`` (pure tensor helpers), ``sparse`` (gathered (value, index)
+pairs), and one module per algorithm family: ``dense`` (none, fp16, bf16), ``int8``, ``topk``,
+``powersgd``, ``sign``, ``decoupled_momentum`` (demo).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_dist.compression.base import (
-    Compressor,
-    Exchange,
-    Round,
-    all_to_all_bytes,
-    allgather_bytes,
-    reference_bytes,
-    ring_allreduce_bytes,
-    simulate,
-)
-from lightning_dist.compression.cast import BF16Compression, FP16Compression
-from lightning_dist.compression.demo import DeMo, DeMoConfig
+from lightning_dist.compression.decoupled_momentum import DeMo, DeMoConfig
+from lightning_dist.compression.dense import BF16Compression, FP16Compression, NoCompression
 from lightning_dist.compression.int8 import Int8Config, Int8Quantization
-from lightning_dist.compression.none import NoCompression
 from lightning_dist.compression.powersgd import PowerSGD, PowerSGDConfig
+from lightning_dist.compression.protocol import Compressor, Exchange, NoOptions, Round, simulate
 from lightning_dist.compression.sign import Sign, SignConfig
 from lightning_dist.compression.topk import TopK, TopKConfig
+from lightning_dist.compression.wire import (
+    all_gather_bytes,
+    all_to_all_bytes,
+    reference_bytes,
+    ring_all_reduce_bytes,
+)
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     "none": NoCompression,
@@ -53,6 +55,7 @@ __all__ = [
     "Int8Config",
     "Int8Quantization",
     "NoCompression",
+    "NoOptions",
     "PowerSGD",
     "PowerSGDConfig",
     "Round",
@@ -60,10 +63,10 @@ __all__ = [
     "SignConfig",
     "TopK",
     "TopKConfig",
+    "all_gather_bytes",
     "all_to_all_bytes",
-    "allgather_bytes",
     "make_compressor",
     "reference_bytes",
-    "ring_allreduce_bytes",
+    "ring_all_reduce_bytes",
     "simulate",
 ]

@@ -16,36 +16,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist.compression.base import (
-    Compressor,
-    Context,
-    Key,
-    Round,
-    Rounds,
-    Shape,
-    all_finite,
-    allgather_bytes,
-    build_config,
-    check_bool,
-    check_int,
-    flatten_fp32,
-    keep_if,
-    pack,
-    packed_bytes,
-    unflatten,
-    unpack,
-)
+from lightning_dist.checks import check_bool, check_int, check_number
+from lightning_dist.compression.packing import flatten_fp32, keep_if, to_chunks, unflatten
+from lightning_dist.compression.protocol import Compressor, Context, Key, Rounds
+from lightning_dist.compression.sparse import gather_sparse, gather_sparse_bytes
+from lightning_dist.compression.wire import Shape, total_numel
 
 
 @dataclass
 class DeMoConfig:
+    """Options of ``DeMo``."""
+
     chunk_size: int = 64
     """Length of each DCT chunk of the flat gradient."""
     topk: int = 4
@@ -56,12 +42,10 @@ class DeMoConfig:
     """Return the sign of the averaged update (DeMo's signum); False returns the average itself."""
 
     def __post_init__(self) -> None:
-        check_int("demo", "chunk_size", self.chunk_size, 1)
-        check_int("demo", "topk", self.topk, 1, self.chunk_size)
-        b = self.beta
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
-            raise ValueError(f"demo: beta={b!r} must be in [0, 1]")
-        check_bool("demo", "sign", self.sign)
+        check_int("chunk_size", self.chunk_size, 1, owner="demo")
+        check_int("topk", self.topk, 1, self.chunk_size, owner="demo")
+        check_number("beta", self.beta, 0, 1, owner="demo")
+        check_bool("sign", self.sign, owner="demo")
 
 
 def dct_matrix(n: int, device: torch.device) -> Tensor:
@@ -74,6 +58,7 @@ def dct_matrix(n: int, device: torch.device) -> Tensor:
 
 
 def chunk_index_dtype(chunk_size: int) -> torch.dtype:
+    """The narrowest dtype for an index inside a chunk."""
     return torch.uint8 if chunk_size <= 256 else torch.int32
 
 
@@ -81,52 +66,38 @@ class DeMo(Compressor):
     """Decoupled momentum, chunked DCT, top-k per chunk, gathered; state: the momentum per key."""
 
     name = "demo"
+    config_class = DeMoConfig
+    config: DeMoConfig
     aggregation = "allgather"
 
-    def __init__(self, config: Optional[DeMoConfig] = None, **options: Any) -> None:
-        super().__init__()
-        self.config = build_config(self.name, DeMoConfig, config, options)
-        self._dct: dict[torch.device, Tensor] = {}
-
     def _matrix(self, device: torch.device) -> Tensor:
-        d = self._dct.get(device)
-        if d is None:
-            d = self._dct[device] = dct_matrix(self.config.chunk_size, device)
-        return d
-
-    def _specs(self, numel: int) -> list[tuple[torch.dtype, int]]:
-        cs, k = self.config.chunk_size, self.config.topk
-        sent = -(-numel // cs) * k
-        return [(torch.float32, sent), (chunk_index_dtype(cs), sent)]
+        return self._derive(("dct", device), lambda: dct_matrix(self.config.chunk_size, device))
 
     @override
     def _rounds(self, key: Key, tensors: list[Tensor], ctx: Context) -> Rounds:
         cfg = self.config
         cs, k = cfg.chunk_size, cfg.topk
-        st = self._key_state(key, tensors)
-        st["step"] += 1
+        st, _ = self._begin_step(key, tensors)
         flat = flatten_fp32(tensors)
-        n = flat.numel()
-        chunks = -(-n // cs)
         d = self._matrix(flat.device)
-        coeff = F.pad(flat, (0, chunks * cs - n)).view(chunks, cs) @ d.T
+        coeff = to_chunks(flat, cs) @ d.T
+        chunks = coeff.shape[0]
         old = st.get("momentum")
         momentum = coeff if old is None else torch.add(coeff, old, alpha=cfg.beta)
         _, idx = momentum.abs().topk(k, dim=-1, sorted=False)
-        values = momentum.gather(-1, idx)
-        specs = self._specs(n)
-        gathered = yield Round("allgather", pack([values.view(-1), idx.to(specs[1][0]).view(-1)]))
-        g_values, g_idx = unpack(gathered, specs)
-        st["momentum"] = keep_if(all_finite(g_values), momentum.scatter_(-1, idx, 0.0), old)
-        base = (torch.arange(chunks, device=flat.device) * cs).repeat_interleave(k)
-        dense = torch.zeros(chunks * cs, device=flat.device)
-        for v, i in zip(g_values, g_idx, strict=True):
-            dense[base + i.long()] += v
-        out = (dense.view(chunks, cs).div_(ctx.world_size) @ d).view(-1)[:n]
+        values = momentum.gather(-1, idx).view(-1)
+        chunk_start = (torch.arange(chunks, device=flat.device) * cs).repeat_interleave(k)
+        dense, ok = yield from gather_sparse(
+            chunks * cs, values, idx.to(chunk_index_dtype(cs)).view(-1), chunk_start
+        )
+        st["momentum"] = keep_if(ok, momentum.scatter_(-1, idx, 0.0), old)
+        out = (dense.view(chunks, cs).div_(ctx.world_size) @ d).view(-1)[: flat.numel()]
         if cfg.sign:
             out = out.sign()
         return unflatten(out, tensors)
 
     @override
     def wire_bytes(self, shapes: Sequence[Shape], world_size: int, dtype: torch.dtype = torch.float32) -> int:
-        return allgather_bytes(packed_bytes(self._specs(sum(math.prod(s) for s in shapes))), world_size)
+        cs = self.config.chunk_size
+        sent = -(-total_numel(shapes) // cs) * self.config.topk
+        return gather_sparse_bytes(sent, chunk_index_dtype(cs), world_size)

@@ -10,37 +10,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist.compression.base import (
-    Compressor,
-    Context,
-    Key,
-    Round,
-    Rounds,
-    Shape,
-    aligned,
-    build_config,
-    check_bool,
-    check_int,
-    flatten_fp32,
-    generator,
-    pack,
-    stable_seed,
-    unflatten,
-    unpack,
-)
+from lightning_dist.checks import check_bool, check_int
+from lightning_dist.compression.packing import flatten_fp32, generator, packed_bytes, stable_seed, unflatten
+from lightning_dist.compression.protocol import Compressor, Context, Key, Rounds, packed_round
+from lightning_dist.compression.wire import Shape, all_gather_bytes, all_to_all_bytes, total_numel
 
 QMAX = 127
 
 
 @dataclass
 class Int8Config:
+    """Options of ``Int8Quantization``."""
+
     chunk_size: int = 1024
     """Elements per quantisation chunk; each chunk carries one fp32 scale (its absmax / 127)."""
     stochastic_rounding: bool = False
@@ -49,9 +37,9 @@ class Int8Config:
     """Seed of the rounding noise, mixed with rank, key and step (reproducible, resumable)."""
 
     def __post_init__(self) -> None:
-        check_int("int8", "chunk_size", self.chunk_size, 1)
-        check_bool("int8", "stochastic_rounding", self.stochastic_rounding)
-        check_int("int8", "seed", self.seed, 0)
+        check_int("chunk_size", self.chunk_size, 1, owner="int8")
+        check_bool("stochastic_rounding", self.stochastic_rounding, owner="int8")
+        check_int("seed", self.seed, 0, owner="int8")
 
 
 def quantize(x: Tensor, gen: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
@@ -72,6 +60,7 @@ def quantize(x: Tensor, gen: Optional[torch.Generator] = None) -> tuple[Tensor, 
 
 
 def dequantize(q: Tensor, scale: Tensor) -> Tensor:
+    """Inverse of ``quantize`` (up to rounding): ``q`` [..., chunks, chunk_size] times its scales."""
     return torch.mul(q, scale.unsqueeze(-1))
 
 
@@ -79,11 +68,9 @@ class Int8Quantization(Compressor):
     """int8 values plus a scale per chunk; two rounds (all_to_all, allgather), two quantisations."""
 
     name = "int8"
+    config_class = Int8Config
+    config: Int8Config
     aggregation = "all_to_all"
-
-    def __init__(self, config: Optional[Int8Config] = None, **options: Any) -> None:
-        super().__init__()
-        self.config = build_config(self.name, Int8Config, config, options)
 
     def _layout(self, numel: int, world_size: int) -> tuple[int, int]:
         """(shard length, chunks per shard): the flat gradient padded to W shards of whole chunks."""
@@ -95,9 +82,7 @@ class Int8Quantization(Compressor):
     def _rounds(self, key: Key, tensors: list[Tensor], ctx: Context) -> Rounds:
         cfg = self.config
         w, cs = ctx.world_size, cfg.chunk_size
-        st = self._key_state(key, tensors)
-        step = st["step"]
-        st["step"] = step + 1
+        _, step = self._begin_step(key, tensors)
         flat = flatten_fp32(tensors)
         n = flat.numel()
         shard, chunks = self._layout(n, w)
@@ -105,17 +90,14 @@ class Int8Quantization(Compressor):
         gens: list[Optional[torch.Generator]] = [None, None]
         if cfg.stochastic_rounding:
             gens = [generator(flat.device, stable_seed(cfg.seed, ctx.rank, key, step, i)) for i in (1, 2)]
-        specs = [(torch.float32, chunks), (torch.int8, shard)]
 
         q, scale = quantize(x, gens[0])
-        received = yield Round("all_to_all", pack([scale, q.view(w, shard)]))
-        r_scale, r_q = unpack(received, specs)
+        r_scale, r_q = yield from packed_round("all_to_all", [scale, q.view(w, shard)])
         mine = dequantize(r_q.view(w, chunks, cs), r_scale / w)
         mine = mine[0] if w == 1 else mine.sum(dim=0)
 
         q2, scale2 = quantize(mine, gens[1])
-        gathered = yield Round("allgather", pack([scale2, q2.view(shard)]))
-        g_scale, g_q = unpack(gathered, specs)
+        g_scale, g_q = yield from packed_round("allgather", [scale2, q2.view(shard)])
         full = dequantize(g_q.view(w, chunks, cs), g_scale).view(-1)[:n]
         return unflatten(full, tensors)
 
@@ -123,6 +105,6 @@ class Int8Quantization(Compressor):
     def wire_bytes(self, shapes: Sequence[Shape], world_size: int, dtype: torch.dtype = torch.float32) -> int:
         if world_size <= 1:
             return 0
-        shard, chunks = self._layout(sum(math.prod(s) for s in shapes), world_size)
-        row = aligned(4 * chunks) + aligned(shard)
-        return 2 * (world_size - 1) * row
+        shard, chunks = self._layout(total_numel(shapes), world_size)
+        row = packed_bytes([(torch.float32, chunks), (torch.int8, shard)])
+        return all_to_all_bytes(world_size * row, world_size) + all_gather_bytes(row, world_size)

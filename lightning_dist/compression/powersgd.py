@@ -13,36 +13,31 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist.compression.base import (
-    Compressor,
-    Context,
-    Key,
-    Round,
-    Rounds,
-    Shape,
+from lightning_dist.checks import check_bool, check_int, check_number
+from lightning_dist.compression.packing import (
     all_finite,
-    build_config,
-    check_bool,
-    check_int,
     flatten_fp32,
     generator,
     keep_if,
-    ring_allreduce_bytes,
     stable_seed,
     unflatten,
 )
+from lightning_dist.compression.protocol import Compressor, Context, Key, Round, Rounds
+from lightning_dist.compression.wire import Shape, ring_all_reduce_bytes
 
 EPS = 1e-8
 
 
 @dataclass
 class PowerSGDConfig:
+    """Options of ``PowerSGD``."""
+
     rank: int = 4
     """Rank r of the approximation (clamped to each matrix's smaller side)."""
     start_step: int = 0
@@ -57,14 +52,12 @@ class PowerSGDConfig:
     """Seed of the random Q (the same on every rank)."""
 
     def __post_init__(self) -> None:
-        check_int("powersgd", "rank", self.rank, 1)
-        check_int("powersgd", "start_step", self.start_step, 0)
-        rate = self.min_compression_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 0:
-            raise ValueError(f"powersgd: min_compression_rate={rate!r} must be a number >= 0")
-        check_bool("powersgd", "error_feedback", self.error_feedback)
-        check_bool("powersgd", "warm_start", self.warm_start)
-        check_int("powersgd", "seed", self.seed, 0)
+        check_int("rank", self.rank, 1, owner="powersgd")
+        check_int("start_step", self.start_step, 0, owner="powersgd")
+        check_number("min_compression_rate", self.min_compression_rate, 0, owner="powersgd")
+        check_bool("error_feedback", self.error_feedback, owner="powersgd")
+        check_bool("warm_start", self.warm_start, owner="powersgd")
+        check_int("seed", self.seed, 0, owner="powersgd")
 
 
 @dataclass
@@ -121,20 +114,17 @@ class PowerSGD(Compressor):
     """Low-rank gradient compression; all-reduce based, state: residuals and Q per shape group."""
 
     name = "powersgd"
+    config_class = PowerSGDConfig
+    config: PowerSGDConfig
     aggregation = "allreduce"
     per_tensor = True
-
-    def __init__(self, config: Optional[PowerSGDConfig] = None, **options: Any) -> None:
-        super().__init__()
-        self.config = build_config(self.name, PowerSGDConfig, config, options)
-        self._plans: dict[tuple[tuple[int, ...], ...], _Plan] = {}
 
     def plan(self, shapes: Sequence[Shape]) -> _Plan:
         """Which tensors are compressed, grouped by matrix shape, and which are sent as they are."""
         sig = tuple(tuple(s) for s in shapes)
-        cached = self._plans.get(sig)
-        if cached is not None:
-            return cached
+        return self._derive(("plan", sig), lambda: self._make_plan(sig))
+
+    def _make_plan(self, sig: tuple[tuple[int, ...], ...]) -> _Plan:
         cfg = self.config
         plan = _Plan()
         by_shape: dict[tuple[int, int], _Group] = {}
@@ -152,7 +142,6 @@ class PowerSGD(Compressor):
                 group = by_shape[(rows, cols)] = _Group(rows, cols, r, [])
                 plan.groups.append(group)
             group.members.append(i)
-        self._plans[sig] = plan
         return plan
 
     def _initial_q(self, key: Key, g: _Group, step: int, device: torch.device) -> Tensor:
@@ -163,9 +152,7 @@ class PowerSGD(Compressor):
     @override
     def _rounds(self, key: Key, tensors: list[Tensor], ctx: Context) -> Rounds:
         cfg, w = self.config, ctx.world_size
-        st = self._key_state(key, tensors)
-        step = st["step"]
-        st["step"] = step + 1
+        st, step = self._begin_step(key, tensors)
         if step < cfg.start_step:
             reduced = yield Round("allreduce", flatten_fp32(tensors) / w)
             return unflatten(reduced, tensors)
@@ -244,5 +231,4 @@ class PowerSGD(Compressor):
         first = sum(len(g.members) * g.rows * g.rank for g in plan.groups)
         first += sum(math.prod(shapes[i]) for i in plan.uncompressed)
         second = sum(len(g.members) * g.cols * g.rank for g in plan.groups)
-        total = ring_allreduce_bytes(4 * first, world_size)
-        return total + (ring_allreduce_bytes(4 * second, world_size) if second else 0)
+        return ring_all_reduce_bytes(4 * first, world_size) + ring_all_reduce_bytes(4 * second, world_size)

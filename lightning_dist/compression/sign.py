@@ -6,48 +6,38 @@ gradient plus the residual; it keeps x - scale * sign(x) as the next residual.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist.compression.base import (
-    Compressor,
-    Context,
-    Key,
-    Round,
-    Rounds,
-    Shape,
+from lightning_dist.checks import check_bool, check_multiple
+from lightning_dist.compression.packing import (
     all_finite,
-    allgather_bytes,
-    build_config,
-    check_bool,
     flatten_fp32,
     keep_if,
-    pack,
     packed_bytes,
+    to_chunks,
     unflatten,
-    unpack,
 )
+from lightning_dist.compression.protocol import Compressor, Context, Key, Rounds, packed_round
+from lightning_dist.compression.wire import Shape, all_gather_bytes, total_numel
 
 
 @dataclass
 class SignConfig:
+    """Options of ``Sign``."""
+
     chunk_size: int = 1024
     """Elements sharing one fp32 scale (their mean |x|); a positive multiple of 8."""
     error_feedback: bool = True
     """Add what was not sent to the next step's gradient."""
 
     def __post_init__(self) -> None:
-        cs = self.chunk_size
-        if isinstance(cs, bool) or not isinstance(cs, int) or cs < 8 or cs % 8:
-            raise ValueError(f"sign: chunk_size={cs!r} must be a positive multiple of 8")
-        check_bool("sign", "error_feedback", self.error_feedback)
+        check_multiple("chunk_size", self.chunk_size, 8, owner="sign")
+        check_bool("error_feedback", self.error_feedback, owner="sign")
 
 
 def _bit_weights(device: torch.device) -> Tensor:
@@ -72,33 +62,25 @@ class Sign(Compressor):
     """One bit per entry plus one fp32 scale per chunk, gathered from every rank."""
 
     name = "sign"
+    config_class = SignConfig
+    config: SignConfig
     aggregation = "allgather"
-
-    def __init__(self, config: Optional[SignConfig] = None, **options: Any) -> None:
-        super().__init__()
-        self.config = build_config(self.name, SignConfig, config, options)
-
-    def _specs(self, numel: int) -> list[tuple[torch.dtype, int]]:
-        chunks = -(-numel // self.config.chunk_size)
-        return [(torch.float32, chunks), (torch.uint8, chunks * self.config.chunk_size // 8)]
 
     @override
     def _rounds(self, key: Key, tensors: list[Tensor], ctx: Context) -> Rounds:
         cs, ef = self.config.chunk_size, self.config.error_feedback
-        st = self._key_state(key, tensors)
-        st["step"] += 1
+        st, _ = self._begin_step(key, tensors)
         flat = flatten_fp32(tensors)
         n = flat.numel()
         old = st.get("residual") if ef else None
         acc = flat + old if old is not None else flat
-        chunks = -(-n // cs)
-        x = F.pad(acc, (0, chunks * cs - n)).view(chunks, cs)
+        x = to_chunks(acc, cs)
+        chunks = x.shape[0]
         counts = torch.full((chunks,), float(cs), device=x.device)
         counts[-1] = n - (chunks - 1) * cs
         scale = x.abs().sum(dim=-1).div_(counts)
         positive = x >= 0
-        gathered = yield Round("allgather", pack([scale, pack_bits(positive.view(-1))]))
-        g_scale, g_bits = unpack(gathered, self._specs(n))
+        g_scale, g_bits = yield from packed_round("allgather", [scale, pack_bits(positive.view(-1))])
         if ef:
             sent = torch.where(positive, scale.unsqueeze(-1), -scale.unsqueeze(-1))
             st["residual"] = keep_if(all_finite(g_scale), (x - sent).view(-1)[:n], old)
@@ -109,4 +91,7 @@ class Sign(Compressor):
 
     @override
     def wire_bytes(self, shapes: Sequence[Shape], world_size: int, dtype: torch.dtype = torch.float32) -> int:
-        return allgather_bytes(packed_bytes(self._specs(sum(math.prod(s) for s in shapes))), world_size)
+        cs = self.config.chunk_size
+        chunks = -(-total_numel(shapes) // cs)
+        row = packed_bytes([(torch.float32, chunks), (torch.uint8, chunks * cs // 8)])
+        return all_gather_bytes(row, world_size)

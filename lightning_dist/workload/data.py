@@ -15,6 +15,7 @@ from functools import lru_cache
 
 import torch
 from torch.utils.data import Dataset
+from typing_extensions import override
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "idlelib", "turtledemo"}
 
@@ -64,6 +65,7 @@ class TextBlocks(Dataset):
     def __len__(self) -> int:
         return (self.tokens.numel() - 1) // self.seq_len
 
+    @override
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1]

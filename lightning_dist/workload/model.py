@@ -10,6 +10,7 @@ import torch
 import torchmetrics
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_dist.workload.data import TextBlocks, load_corpus
 
@@ -84,6 +85,7 @@ class TinyCausalLM(L.LightningModule):
         )
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=VOCAB_SIZE, average="micro")
 
+    @override
     def forward(self, tokens: Tensor) -> Tensor:
         t = tokens.shape[1]
         h = self.embed(tokens) + self.pos[:t]
@@ -96,26 +98,31 @@ class TinyCausalLM(L.LightningModule):
         logits = self(x)
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()), logits
 
+    @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, _ = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
+    @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss, logits = self._loss(batch)
         self.val_acc(logits.flatten(0, 1), batch[1].flatten())
         self.log("val_loss", loss, sync_dist=True)
         self.log("val_acc", self.val_acc)
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.config.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.config.lr, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=self.config.lr, weight_decay=0.01)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         data = TextBlocks(load_corpus("train", self.config.train_bytes), self.config.seq_len)
         return DataLoader(data, batch_size=self.config.batch_size, shuffle=True, drop_last=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         data = TextBlocks(load_corpus("val", self.config.val_bytes), self.config.seq_len)
         return DataLoader(data, batch_size=self.config.batch_size, drop_last=False)

@@ -14,57 +14,36 @@ Round kinds, and what ``feed`` expects back:
               from rank i (a list or stacked tensor)
 
 Each round is one tensor, so a driver makes exactly one collective per round. Payloads are fresh
-tensors that the driver may reduce in place.
-
-Wire model (bytes one rank sends, N = payload bytes, W = world size), as the collectives count them:
-  allreduce  2*(W-1)*N // W (ring);  allgather  (W-1)*N;  all_to_all  (W-1)*N // W.
+tensors that the driver may reduce in place. Bytes are counted by the wire model in ``wire``.
 """
 
 from __future__ import annotations
 
-import math
-import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Generator, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
+from typing_extensions import override
+
+from lightning_dist.checks import build_config, check_int
+from lightning_dist.compression.packing import pack, specs_of, unpack
+from lightning_dist.compression.wire import (
+    Shape,
+    all_gather_bytes,
+    all_to_all_bytes,
+    reference_bytes,
+    ring_all_reduce_bytes,
+)
 
 Key = Union[int, str]
 RoundKind = Literal["allreduce", "allgather", "all_to_all"]
 Aggregation = Literal["allreduce", "allgather", "all_to_all"]
 Rounds = Generator["Round", Tensor, list[Tensor]]
-Shape = Sequence[int]
-
-ALIGN = 8
-"""Every segment of a packed byte payload starts at a multiple of this many bytes."""
-
-
-# -- wire model ---------------------------------------------------------------------------------
-def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes`` (reduce-scatter then all-gather)."""
-    return 0 if world_size <= 1 else 2 * (world_size - 1) * nbytes // world_size
-
-
-def allgather_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in an all-gather of an ``nbytes`` payload."""
-    return 0 if world_size <= 1 else (world_size - 1) * nbytes
-
-
-def all_to_all_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in an all-to-all of an ``nbytes`` payload split in W equal rows."""
-    return 0 if world_size <= 1 else (world_size - 1) * nbytes // world_size
-
-
-def reference_bytes(shapes: Sequence[Shape], world_size: int) -> int:
-    """The baseline: bytes one rank sends in a ring all-reduce of these tensors in fp32."""
-    return ring_allreduce_bytes(4 * sum(math.prod(s) for s in shapes), world_size)
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+"""A compressor's side of an exchange: yields rounds, is sent their aggregates, returns the result."""
+T = TypeVar("T")
 
 
 # -- rounds and exchanges -----------------------------------------------------------------------
@@ -77,16 +56,24 @@ class Round:
     op: Literal["sum", "adasum"] = "sum"
 
     def nbytes(self) -> int:
+        """Bytes of this rank's payload."""
         return self.payload.numel() * self.payload.element_size()
 
     def wire_bytes(self, world_size: int) -> int:
         """Bytes this rank sends for the round (for ``op="adasum"``: the ring estimate)."""
         n = self.nbytes()
         if self.kind == "allreduce":
-            return ring_allreduce_bytes(n, world_size)
+            return ring_all_reduce_bytes(n, world_size)
         if self.kind == "allgather":
-            return allgather_bytes(n, world_size)
+            return all_gather_bytes(n, world_size)
         return all_to_all_bytes(n, world_size)
+
+
+def packed_round(kind: RoundKind, parts: Sequence[Tensor]) -> Rounds:
+    """One round carrying ``pack(parts)``; returns what came back, unpacked into the same segments
+    (with a leading rank dimension for allgather and all_to_all). Use with ``yield from``."""
+    received = yield Round(kind, pack(parts))
+    return unpack(received, specs_of(parts))
 
 
 class Exchange:
@@ -104,6 +91,7 @@ class Exchange:
 
     @property
     def done(self) -> bool:
+        """Whether every round has run (``result`` is set)."""
         return self.round is None
 
     def _advance(self, received: Optional[Tensor]) -> None:
@@ -175,135 +163,12 @@ def simulate(exchanges: Sequence[Exchange]) -> list[list[Tensor]]:
     return [ex.result for ex in exchanges]  # type: ignore[misc]
 
 
-# -- tensor helpers -----------------------------------------------------------------------------
-def flatten_fp32(tensors: Sequence[Tensor]) -> Tensor:
-    """One flat fp32 vector of all tensors (a view, not a copy, for a single fp32 tensor)."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1).float()
-    return torch.cat([t.reshape(-1).float() for t in tensors])
-
-
-def flatten_native(tensors: Sequence[Tensor]) -> Tensor:
-    """One flat vector in the tensors' own dtype."""
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1)
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
-    """Split ``flat`` into tensors shaped and typed like ``like``."""
-    out: list[Tensor] = []
-    offset = 0
-    for t in like:
-        n = t.numel()
-        out.append(flat[offset : offset + n].view(t.shape).to(t.dtype))
-        offset += n
-    return out
-
-
-def pack(parts: Sequence[Tensor]) -> Tensor:
-    """Concatenate tensors shaped [*lead, k_i] into one uint8 [*lead, bytes], each segment aligned."""
-    lead = parts[0].shape[:-1]
-    pieces: list[Tensor] = []
-    for p in parts:
-        b = p.contiguous().view(torch.uint8)
-        pad = aligned(b.shape[-1]) - b.shape[-1]
-        pieces.append(b)
-        if pad:
-            pieces.append(torch.zeros((*lead, pad), dtype=torch.uint8, device=b.device))
-    return torch.cat(pieces, dim=-1)
-
-
-def unpack(buf: Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[Tensor]:
-    """Inverse of ``pack``: views [*lead, k_i] of each ``(dtype, k_i)`` segment of ``buf``."""
-    out: list[Tensor] = []
-    offset = 0
-    for dtype, k in specs:
-        n = k * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[..., offset : offset + n].view(dtype))
-        offset += aligned(n)
-    if offset != buf.shape[-1]:
-        raise ValueError(f"unpack: payload has {buf.shape[-1]} bytes per row, expected {offset}")
-    return out
-
-
-def packed_bytes(specs: Sequence[tuple[torch.dtype, int]]) -> int:
-    return sum(aligned(k * torch.empty((), dtype=d).element_size()) for d, k in specs)
-
-
-def all_finite(*tensors: Tensor) -> Tensor:
-    """A 0-d bool tensor, True when every entry is finite (no host sync)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.numel()]
-    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
-
-
-def keep_if(ok: Tensor, new: Tensor, old: Optional[Tensor]) -> Tensor:
-    """``new`` where ``ok`` else ``old`` (zeros when there is none): state survives a skipped step."""
-    return torch.where(ok, new, torch.zeros((), device=new.device) if old is None else old)
-
-
-def stable_seed(*parts: object) -> int:
-    """A seed that is the same in every process (unlike ``hash`` of a str)."""
-    return zlib.crc32(repr(parts).encode()) & 0x7FFF_FFFF
-
-
-def generator(device: torch.device, seed: int) -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
-
-
-def _map_tensors(tree: Any, fn: Any) -> Any:
-    if isinstance(tree, Tensor):
-        return fn(tree)
-    if isinstance(tree, dict):
-        return {k: _map_tensors(v, fn) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_map_tensors(v, fn) for v in tree]
-    return tree
-
-
-# -- configs ------------------------------------------------------------------------------------
-C = TypeVar("C")
-
-
-def build_config(owner: str, config_cls: type[C], config: Optional[C], options: dict[str, Any]) -> C:
-    """``config`` or ``config_cls(**options)``; unknown options raise ValueError naming the accepted."""
-    if config is not None:
-        if options:
-            raise ValueError(f"{owner}: pass either a config or options, not both")
-        if not isinstance(config, config_cls):
-            raise ValueError(f"{owner}: config must be a {config_cls.__name__}, got {type(config).__name__}")
-        return config
-    accepted = [f.name for f in fields(config_cls)]  # type: ignore[arg-type]
-    for name in options:
-        if name not in accepted:
-            raise ValueError(
-                f"{owner}: unknown option {name!r}; accepted: {', '.join(accepted) if accepted else 'none'}"
-            )
-    return config_cls(**options)
-
-
-def check_int(owner: str, name: str, value: Any, low: int, high: Optional[int] = None) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    if ok and high is not None:
-        ok = value <= high
-    if not ok:
-        bound = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-        raise ValueError(f"{owner}: {name}={value!r} must be {bound}")
-
-
-def check_bool(owner: str, name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{owner}: {name}={value!r} must be True or False")
-
-
+# -- the interface ------------------------------------------------------------------------------
 @dataclass
 class NoOptions:
-    """Compressors without options."""
+    """The config of compressors without options."""
 
 
-# -- the interface ------------------------------------------------------------------------------
 @dataclass
 class Context:
     """What an exchange knows about the world it runs in."""
@@ -313,8 +178,15 @@ class Context:
     adasum: bool
 
 
+_REGISTRY: dict[str, type[Compressor]] = {}
+"""Every named compressor class, in definition order (for error messages)."""
+
+
 class Compressor(ABC):
     """A gradient compressor: rounds of payloads in, the averaged tensors out, state in between.
+
+    Built from a config (an instance of ``config_class``) or from its fields as keyword options;
+    either way the config checks its values and bad ones raise a ValueError naming them.
 
     State is kept per ``key`` (a DDP bucket index, a parameter name): plain tensors and ints, saved
     by ``state_dict`` and restored by ``load_state_dict`` so a resumed run continues exactly. When
@@ -326,6 +198,8 @@ class Compressor(ABC):
     """
 
     name: ClassVar[str]
+    config_class: ClassVar[type[Any]] = NoOptions
+    """The dataclass of its options."""
     aggregation: ClassVar[Aggregation]
     """The collective its rounds use ("allreduce" compressors are Horovod-compatible)."""
     supports_adasum: ClassVar[bool] = False
@@ -336,9 +210,19 @@ class Compressor(ABC):
 
     config: Any
 
-    def __init__(self) -> None:
+    def __init__(self, config: Optional[Any] = None, **options: Any) -> None:
+        """Take a ``config_class`` instance, or its fields as options (``rank=4``), not both."""
+        self.config = build_config(self.name, self.config_class, config, options)
         self._state: dict[Key, dict[str, Any]] = {}
+        self._derived: dict[Hashable, Any] = {}
 
+    @override
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            _REGISTRY[cls.name] = cls
+
+    @override
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"
 
@@ -352,10 +236,10 @@ class Compressor(ABC):
         adasum: bool = False,
     ) -> Exchange:
         """Start compressing ``tensors`` (one bucket) under ``key``; drive the returned exchange."""
-        check_int(self.name, "world_size", world_size, 1)
-        check_int(self.name, "rank", rank, 0, world_size - 1)
+        check_int("world_size", world_size, 1, owner=self.name)
+        check_int("rank", rank, 0, world_size - 1, owner=self.name)
         if adasum and not self.supports_adasum:
-            accepted = ", ".join(n for n, c in _registry().items() if c.supports_adasum)
+            accepted = ", ".join(n for n, c in _REGISTRY.items() if c.supports_adasum)
             raise ValueError(
                 f"{self.name}: adasum=True is not supported; compressors that allow it: {accepted}"
             )
@@ -379,8 +263,21 @@ class Compressor(ABC):
         ref = reference_bytes(shapes, world_size)
         return self.wire_bytes(shapes, world_size, dtype) / ref if ref else float("nan")
 
+    def _derive(self, key: Hashable, build: Callable[[], T]) -> T:
+        """A value that depends on the config and ``key`` alone (a plan, a matrix), built once."""
+        value: T
+        if key in self._derived:
+            value = self._derived[key]
+        else:
+            value = self._derived[key] = build()
+        return value
+
     # -- state ------------------------------------------------------------------------------
-    def _key_state(self, key: Key, tensors: Sequence[Tensor]) -> dict[str, Any]:
+    def _begin_step(self, key: Key, tensors: Sequence[Tensor]) -> tuple[dict[str, Any], int]:
+        """This key's state, on the tensors' device, and the number of the step that starts now.
+
+        The state restarts (all but its step counter) when the shapes under ``key`` changed.
+        """
         shapes = [list(t.shape) for t in tensors]
         st = self._state.get(key)
         if st is None or st.get("shapes") != shapes:
@@ -390,7 +287,9 @@ class Compressor(ABC):
         device = tensors[0].device
         for name, value in list(st.items()):
             st[name] = _map_tensors(value, lambda t: t.to(device))
-        return st
+        step = st["step"]
+        st["step"] = step + 1
+        return st, step
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of every key's state: ``{"name": ..., "keys": {key: {"step": int, ...}}}``."""
@@ -400,6 +299,7 @@ class Compressor(ABC):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (copies it); fails on another compressor's state."""
         if state.get("name") != self.name:
             raise ValueError(f"{self.name}: state_dict is for compressor {state.get('name')!r}")
         self._state = {k: _map_tensors(v, lambda t: t.detach().clone()) for k, v in state["keys"].items()}
@@ -414,7 +314,11 @@ def _nothing_to_send(tensors: list[Tensor]) -> Rounds:
     yield  # a generator with no rounds
 
 
-def _registry() -> dict[str, type[Compressor]]:
-    from lightning_dist.compression import COMPRESSORS
-
-    return COMPRESSORS
+def _map_tensors(tree: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(tree, Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_map_tensors(v, fn) for v in tree]
+    return tree
