@@ -573,38 +573,52 @@ def test_world_size_one_local_run_keeps_dtype_and_shape(name: str, dtype: torch.
 
 
 # -- over a real transport ----------------------------------------------------------------------
-def drive(comm: Any, ex: Any) -> list[torch.Tensor]:
-    """What a comm hook does: one collective per round, with the kind the round asks for."""
-    while (rnd := ex.round) is not None:
-        if rnd.kind == "allreduce":
-            ex.feed(comm.all_reduce(rnd.payload, rnd.op))
-        elif rnd.kind == "allgather":
-            ex.feed(comm.all_gather(rnd.payload, same_shape=True))
-        else:
-            ex.feed(comm.all_to_all(list(rnd.payload.unbind(0))))
-    return ex.result
-
-
-@pytest.mark.parametrize("name", ["int8", "powersgd", "topk", "demo"])
-def test_gloo_driver_matches_simulation_and_counters(name: str) -> None:
+@pytest.mark.parametrize("w", [2, 3])
+@pytest.mark.parametrize("name", ["none", "fp16", "int8", "powersgd", "topk", "sign", "demo"])
+def test_gloo_driver_matches_simulation_and_counters(name: str, w: int) -> None:
+    """``collectives.exchanges.run_exchanges`` (what the DDP hook and Horovod use) over real Gloo
+    groups gives bitwise the simulated results, two calls chained with ``after``, bytes as modelled."""
+    from lightning_dist.collectives.exchanges import run_exchanges, start_round
     from lightning_dist.testing import run_in_threads
 
-    w = 2
-    shapes = [(16, 12), (12,)]
-    grads = rank_grads(w, shapes, 7)
-    expected = step(ranks(name, w), grads)
+    shapes = [[(16, 12), (12,)], [(9, 7)], [(40,)]]
+    grads = [rank_grads(w, s, 7 + i) for i, s in enumerate(shapes)]
+    reference = ranks(name, w)
+    expected = [step(reference, g, key=i) for i, g in enumerate(grads)]
 
-    def body(comm: Any) -> tuple[list[torch.Tensor], int, int]:
+    def body(comm: Any) -> tuple[list[list[torch.Tensor]], int, int]:
         c = make_compressor(name)
-        ex = c.exchange(0, grads[comm.rank], world_size=w, rank=comm.rank)
-        out = drive(comm, ex)
-        return out, ex.wire_bytes, comm.stats.bytes_sent
+        exs = [c.exchange(i, g[comm.rank], world_size=w, rank=comm.rank) for i, g in enumerate(grads)]
+        first = run_exchanges(comm, [[exs[0]], [exs[1]]], inflight=start_round(comm, [exs[0]]))
+        run_exchanges(comm, [[exs[2]]], after=first).wait()
+        assert all(ex.result is not None for ex in exs)
+        return [ex.result for ex in exs], sum(ex.wire_bytes for ex in exs), comm.stats.bytes_sent
 
-    for out, wire, counted in run_in_threads(w, body):
-        for o, e in zip(out, expected, strict=True):
-            assert torch.equal(o, e)
-        shape_exchange = 8 * (w - 1) if name == "int8" else 0
+    for outs, wire, counted in run_in_threads(w, body):
+        for out, exp in zip(outs, expected, strict=True):
+            for o, e in zip(out, exp, strict=True):
+                # bitwise at 2 ranks; Gloo sums 3 ranks in another order than the simulation (an fp16
+                # wire word may then round one unit in the last place apart)
+                tol = 0.0 if w == 2 else (2e-3 if name == "fp16" else 1e-6)
+                torch.testing.assert_close(o, e, rtol=tol, atol=tol)
+        shape_exchange = 3 * 8 * (w - 1) if name == "int8" else 0  # all_to_all sends row counts first
         assert counted == wire + shape_exchange
+
+
+def test_gloo_driver_reports_errors_through_the_future() -> None:
+    from lightning_dist.collectives.exchanges import run_exchanges
+    from lightning_dist.testing import run_in_threads
+
+    def body(comm: Any) -> str:
+        ex = make_compressor("none").exchange(0, [torch.ones(3)], world_size=2, rank=comm.rank)
+        ex.round.kind = "bogus"  # type: ignore[union-attr,assignment]
+        fut = run_exchanges(comm, [[ex]])
+        with pytest.raises(Exception) as info:
+            fut.wait()
+        return str(info.value)
+
+    for message in run_in_threads(2, body):
+        assert message
 
 
 def test_powersgd_object_and_factory_agree() -> None:

@@ -61,10 +61,20 @@ class _Driver:
     """Walks the groups' rounds from completion callbacks; completes ``done`` with None at the end."""
 
     def __init__(self, comm: Communicator, groups: Sequence[Group], op: Optional[str], done: Future) -> None:
-        self.comm = comm
+        self.comm: Optional[Communicator] = comm
         self.groups = deque(list(g) for g in groups if g and g[0].round is not None)
         self.op = op
         self.done = done
+
+    def _finish(self, exc: Optional[BaseException] = None) -> None:
+        # Let go of the communicator before completing: the last reference to a process group must
+        # not die in that group's own worker thread (its destructor would join itself and abort).
+        self.comm = None
+        self.groups.clear()
+        if exc is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(exc)
 
     def start(self, inflight: Optional[Future]) -> None:
         if inflight is None:
@@ -76,7 +86,7 @@ class _Driver:
         try:
             feed(self.groups[0], fut.value())
         except BaseException as exc:  # noqa: BLE001  (delivered through the done future)
-            self.done.set_exception(exc)
+            self._finish(exc)
             return
         self._advance()
 
@@ -87,15 +97,16 @@ class _Driver:
                 while self.groups and self.groups[0][0].round is None:
                     self.groups.popleft()
                 if not self.groups:
-                    self.done.set_result(None)
+                    self._finish()
                     return
+                assert self.comm is not None
                 fut = start_round(self.comm, self.groups[0], self.op)
                 if not fut.done():
                     fut.add_done_callback(self._landed)
                     return
                 feed(self.groups[0], fut.value())
         except BaseException as exc:  # noqa: BLE001  (delivered through the done future)
-            self.done.set_exception(exc)
+            self._finish(exc)
 
 
 def run_exchanges(
