@@ -1,10 +1,10 @@
-# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Two commands do everything on a fresh machine: `make demo` and `make test` (`make test-fast`: no child processes).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,8 +20,15 @@ $(STAMP): pyproject.toml scripts/install-horovod.sh scripts/install-system-deps.
 demo: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m lightning_dist.cli demo
 
+TEST_ENV := PATH="$(abspath $(VENV))/bin:$$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+# everything (what CI runs): trainings in child processes, mpirun/horovodrun, torchrun, SLURM, notebooks
 test: setup
-	PATH="$(abspath $(VENV))/bin:$$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $(PY) -m pytest -q
+	$(TEST_ENV) $(PY) -m pytest -q
+
+# pure and threaded tests only (no child processes; tests/conftest.py fails one that starts any)
+test-fast: setup
+	$(TEST_ENV) $(PY) -m pytest -q -m "not slow"
 
 lint: setup
 	$(VENV)/bin/ruff check lightning_dist tests examples benchmarks

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_dist import DDP, Compressed, collectives
 from lightning_dist.compression import reference_bytes
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 ROWS: list[tuple[str, str, dict[str, Any]]] = [
     ("DDP() (reference)", "ddp", {}),
@@ -130,7 +131,7 @@ def fit(kind: str, options: dict[str, Any], a: argparse.Namespace) -> dict[str, 
     workload = json.loads(a.workload)
     model = Model(kind == "demo", config=WorkloadConfig(seed=1234, **workload))
     meter = Meter()
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=make_strategy(kind, options),
@@ -138,11 +139,6 @@ def fit(kind: str, options: dict[str, Any], a: argparse.Namespace) -> dict[str, 
         limit_val_batches=a.val_batches,
         val_check_interval=None,
         check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         callbacks=[meter],
         deterministic=True,
     )

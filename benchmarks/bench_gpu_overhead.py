@@ -123,6 +123,8 @@ def worker(row: str, a: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader
 
+    from lightning_dist.workload.trainer import quiet_trainer
+
     torch.manual_seed(0)
     if not a.smoke:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -145,18 +147,13 @@ def worker(row: str, a: argparse.Namespace) -> dict[str, Any]:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - self.start)
 
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu" if a.smoke else "gpu",
         devices=1,
         strategy=make_strategy(row),
         precision="bf16-mixed",
         max_steps=steps,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         callbacks=[Timer()],
     )
     if cuda:

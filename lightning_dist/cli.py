@@ -8,26 +8,32 @@ from typing import Optional
 
 
 def _env() -> int:
+    """One line per item: its name, then its version or path (or why it is missing)."""
     import platform
     import shutil
 
     import lightning
     import torch
 
-    print(f"python      {platform.python_version()}")
-    print(f"torch       {torch.__version__} (cuda available: {torch.cuda.is_available()})")
-    print(f"lightning   {lightning.__version__}")
-    print(
-        f"gloo        {torch.distributed.is_gloo_available()}  nccl {torch.distributed.is_nccl_available()}"
-    )
+    def line(name: str, value: str) -> None:
+        print(f"{name:<11} {value}")
+
+    line("python", platform.python_version())
+    line("torch", f"{torch.__version__} (cuda available: {torch.cuda.is_available()})")
+    line("lightning", lightning.__version__)
+    for backend, available in (
+        ("gloo", torch.distributed.is_gloo_available()),
+        ("nccl", torch.distributed.is_nccl_available()),
+    ):
+        line(backend, "available" if available else "not available")
     try:
         import horovod
 
-        print(f"horovod     {horovod.__version__}")
+        line("horovod", horovod.__version__)
     except ImportError:
-        print("horovod     not installed (scripts/install-horovod.sh builds it against this torch)")
+        line("horovod", "not installed (scripts/install-horovod.sh builds it against this torch)")
     for tool in ("mpirun", "horovodrun", "torchrun", "srun", "sbatch"):
-        print(f"{tool:<11} {shutil.which(tool) or 'not found'}")
+        line(tool, shutil.which(tool) or "not found")
     return 0
 
 

@@ -15,10 +15,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
+TEST_TIMEOUT: float | None = None
+"""The running test's pytest-timeout in seconds, set by tests/conftest.py (None: no timer armed)."""
 
 
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    # no inherited rendezvous port: each launch gets its own (Lightning's launcher, torchrun
+    # --standalone; under srun, Lightning derives one from the job id)
+    env.pop("MASTER_PORT", None)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     # console scripts of this interpreter's environment (horovodrun, torchrun) come first
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -30,7 +35,16 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_command(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own session; on timeout or interruption kill the whole process group
-    (Lightning's rank children, mpirun's ranks), so nothing outlives the test."""
+    (Lightning's rank children, mpirun's ranks), so nothing outlives the test.
+
+    ``timeout`` (seconds) must be below the running test's pytest-timeout, so that it is this
+    budget, with the command's output, that stops a stuck command; a test that needs more gets
+    ``@pytest.mark.timeout(N)``."""
+    if TEST_TIMEOUT is not None and timeout >= TEST_TIMEOUT:
+        raise ValueError(
+            f"budget timeout={timeout}s for {' '.join(map(str, cmd))} is not below this test's "
+            f"pytest timeout ({TEST_TIMEOUT}s): lower it, or mark the test @pytest.mark.timeout(N), N > {timeout}"
+        )
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -2,20 +2,67 @@
 
 from __future__ import annotations
 
+import importlib
+import platform
+import shutil
+
+import lightning
 import pytest
-from helpers import run_script
+import torch
+from helpers import child_env, run_script
+
+from lightning_dist.cli import main
+
+LAUNCHERS = ("mpirun", "horovodrun", "torchrun", "srun", "sbatch")
 
 
-def test_env_lists_versions_and_launchers() -> None:
-    out = run_script(["python", "-m", "lightning_dist.cli", "env"], timeout=60).stdout
-    assert "torch" in out and "lightning" in out and "mpirun" in out
+def parse_env(out: str) -> dict[str, str]:
+    """`lightning-dist env` prints one line per item: its name, then its value."""
+    fields = {}
+    for line in out.splitlines():
+        name, value = line.split(maxsplit=1)
+        fields[name] = value
+    return fields
+
+
+def check_env(out: str, path: str | None) -> None:
+    """The printed versions are the installed ones, and each launcher is where ``path`` finds it."""
+    got = parse_env(out)
+    assert got["python"] == platform.python_version()
+    assert got["torch"] == f"{torch.__version__} (cuda available: {torch.cuda.is_available()})"
+    assert got["lightning"] == lightning.__version__
+    for backend in ("gloo", "nccl"):
+        available = getattr(torch.distributed, f"is_{backend}_available")()
+        assert got[backend] == ("available" if available else "not available")
+    try:
+        horovod = importlib.import_module("horovod")
+    except ImportError:
+        assert got["horovod"].startswith("not installed")
+    else:
+        assert got["horovod"] == horovod.__version__
+    for tool in LAUNCHERS:
+        assert got[tool] == (shutil.which(tool, path=path) or "not found"), tool
+    assert got.keys() == {"python", "torch", "lightning", "gloo", "nccl", "horovod", *LAUNCHERS}
+
+
+def test_env_prints_the_installed_versions_and_launchers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    check_env(capsys.readouterr().out, path=None)
 
 
 @pytest.mark.slow
+def test_env_console_script() -> None:
+    out = run_script(["lightning-dist", "env"], timeout=60).stdout
+    check_env(out, path=child_env()["PATH"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)  # above the demo's budget
 def test_demo_prints_one_row_per_strategy() -> None:
     from lightning_dist.demo import demo_runs
 
-    out = run_script(["python", "-m", "lightning_dist.cli", "demo", "--steps", "4"], timeout=600).stdout
+    # 9 rows, one 2-process training each: about 65 s on 2 shared cores
+    out = run_script(["python", "-m", "lightning_dist.cli", "demo", "--steps", "4"], timeout=300).stdout
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert table[0].split("|")[1].strip() == "strategy"
     rows = {line.split("|")[1].strip(): line for line in table[1:]}

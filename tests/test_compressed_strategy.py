@@ -1,4 +1,4 @@
-"""Compressed strategy: options, then 2 CPU processes over Gloo (parity with DDP, every compressor
+"""Compressed strategy: 2 CPU processes over Gloo (parity with DDP, every compressor
 training the workload, exact byte accounting, mixed precision, accumulation, Adasum, many buckets,
 checkpoint resume), then Horovod's compression= under mpirun.
 
@@ -20,8 +20,7 @@ import pytest
 import torch
 from helpers import SCRIPTS, assert_same_weights, max_abs_diff, run_script
 
-from lightning_dist import Compressed
-from lightning_dist.compression import COMPRESSORS, PowerSGD, make_compressor
+from lightning_dist.compression import make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 SCRIPT = str(SCRIPTS / "compressed_run.py")
@@ -38,48 +37,6 @@ TOLERANCE = {
     "sign": 0.10,
     "demo": 0.10,
 }
-
-
-# -- options (no processes) ---------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("args", "kwargs", "pattern"),
-    [
-        (
-            ("bogus",),
-            {},
-            r"compressor='bogus' is not known; accepted: none, fp16, bf16, int8, topk, powersgd",
-        ),
-        (("powersgd",), {"rank": 0}, r"powersgd: rank=0 must be an integer >= 1"),
-        (("topk",), {"ratio": 1.5}, r"topk: ratio=1.5 must be in \(0, 1\]"),
-        (("topk",), {"ratio": 0.0}, r"topk: ratio=0.0 must be in \(0, 1\]"),
-        (("powersgd",), {"rnk": 4}, r"unknown option 'rnk'; accepted: rank, .*; strategy options: reduce_op"),
-        (
-            ("topk",),
-            {"reduce_op": "adasum"},
-            r"reduce_op='adasum' .* compressors that allow it: none, fp16, bf16",
-        ),
-        (("fp16",), {"reduce_op": "max"}, r"reduce_op='max' is not supported; accepted: 'avg', 'adasum'"),
-        ((PowerSGD(),), {"rank": 2}, r"unknown option\(s\) rank; a Compressor instance takes its options"),
-        (("fp16",), {"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a number > 0"),
-        (("fp16",), {"log_stats": "yes"}, r"log_stats='yes' is not supported; accepted: True, False"),
-    ],
-)
-def test_bad_options_raise_before_any_process(args: tuple, kwargs: dict[str, Any], pattern: str) -> None:
-    with pytest.raises(ValueError, match=pattern):
-        Compressed(*args, **kwargs)
-
-
-def test_names_instances_and_registry() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    by_name = Compressed("powersgd", rank=4, bucket_cap_mb=2)
-    instance = PowerSGD(rank=4)
-    by_object = Compressed(instance)
-    assert by_name.compressor.config == by_object.compressor.config and by_object.compressor is instance
-    assert by_name.reduce_op == "avg" and Compressed("bf16", reduce_op="adasum").reduce_op == "adasum"
-    for name in COMPRESSORS:
-        entry = StrategyRegistry[f"compressed_{name}"]
-        assert entry["strategy"] is Compressed and entry["init_params"] == {"compressor": name}
 
 
 # -- 2 processes over Gloo -------------------------------------------------------------------------

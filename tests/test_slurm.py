@@ -13,6 +13,11 @@ from helpers import ROOT, SCRIPTS, assert_same_weights, load_rank, run_command, 
 
 pytestmark = pytest.mark.slow
 START = ROOT / "scripts" / "start-local-slurm.sh"
+START_BUDGET = 120
+"""Seconds to start the cluster (about 1 s here; more when it installs the packages), inside the
+first test's 300 s timeout."""
+BUDGET = 90
+"""Seconds for one 2-process run (a few seconds here): start + 2 runs stay below the test timeout."""
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +27,7 @@ def slurm_conf() -> Iterator[str]:
         return
     if os.geteuid() != 0 or shutil.which("srun") is None:
         pytest.skip("needs SLURM (apt-get install slurmctld slurmd slurm-client munge) and root to start it")
-    proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=START_BUDGET)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     conf = proc.stdout.strip().splitlines()[-1].split("=", 1)[1]
     yield conf
@@ -31,7 +36,10 @@ def slurm_conf() -> Iterator[str]:
 
 def test_srun_launch_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
     popen = tmp_path / "popen"
-    run_script([str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--max-steps", "3", "--out", str(popen)])
+    run_script(
+        [str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--max-steps", "3", "--out", str(popen)],
+        timeout=BUDGET,
+    )
     out = tmp_path / "srun"
     cmd = ["srun", "-N", "1", "--ntasks-per-node", "2", "--export", "ALL", "--kill-on-bad-exit=1"]
     proc = run_command(
@@ -46,7 +54,7 @@ def test_srun_launch_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
             "--out",
             str(out),
         ],
-        240,
+        BUDGET,
         SLURM_CONF=slurm_conf,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -74,7 +82,7 @@ def test_horovod_adasum_under_srun_pmix(tmp_path: Path, slurm_conf: str) -> None
     proc = run_command(
         [*cmd, "python", str(SCRIPTS / "hvd_train.py"), "--strategy", "horovod_adasum", "--max-steps", "6"]
         + ["--out", str(out)],
-        240,
+        BUDGET,
         SLURM_CONF=slurm_conf,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

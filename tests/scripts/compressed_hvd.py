@@ -10,12 +10,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from rank_io import save_rank
+from rank_io import save_fitted
 
 import lightning_dist
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.compression import make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 def main() -> None:
@@ -32,29 +33,19 @@ def main() -> None:
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=8))
     monitor = CommMonitor(log=False)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
         max_steps=a.max_steps,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         deterministic=True,
         callbacks=[monitor],
     )
     trainer.fit(model)
-    rank = trainer.global_rank
-    info = {
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
-        "losses": monitor.losses,
-        "stats": lightning_dist.collectives.stats().snapshot(),
-    }
-    save_rank(a.out, rank, model, info)
+    save_fitted(
+        a.out, trainer, model, losses=monitor.losses, stats=lightning_dist.collectives.stats().snapshot()
+    )
 
 
 if __name__ == "__main__":

@@ -20,11 +20,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from rank_io import save_fitted
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.strategies.compressed import CHECKPOINT_KEY
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 class Model(TinyCausalLM):
@@ -59,7 +61,7 @@ def fit(run: dict[str, Any], out: str) -> None:
         ),
     )
     strategy = make_strategy(run)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
@@ -71,11 +73,6 @@ def fit(run: dict[str, Any], out: str) -> None:
         limit_val_batches=1.0,
         val_check_interval=None,
         check_val_every_n_epoch=None,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         deterministic=True,
     )
     ckpt = run.get("resume")
@@ -88,10 +85,7 @@ def fit(run: dict[str, Any], out: str) -> None:
     trainer.fit(model, ckpt_path=ckpt)
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
-    rank = trainer.global_rank
     info: dict[str, Any] = {
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
         "train_loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))),
         "stats": getattr(trainer.strategy, "last_step_stats", {}),
         "logged_ratio": float(trainer.callback_metrics.get("compression/ratio", torch.tensor(float("nan")))),
@@ -100,12 +94,7 @@ def fit(run: dict[str, Any], out: str) -> None:
     }
     if run.get("validate", True):
         info["val_loss"] = float(trainer.validate(model, verbose=False)[0]["val_loss"])
-    torch.save(
-        {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        os.path.join(out, f"{run['name']}.rank{rank}.pt"),
-    )
-    with open(os.path.join(out, f"{run['name']}.rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_fitted(out, trainer, model, prefix=f"{run['name']}.", **info)
 
 
 def main() -> None:

@@ -9,12 +9,13 @@ import argparse
 
 import lightning as L
 import torch
-from rank_io import save_rank
+from rank_io import save_fitted
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
         strategy = lightning_dist.DDP(start_method=a.start_method or "auto")
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size))
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=a.devices,
         strategy=strategy,
@@ -42,29 +43,23 @@ def main() -> None:
         accumulate_grad_batches=a.accumulate,
         gradient_clip_val=a.clip,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         deterministic=True,
     )
     tracker = CommMonitor(log=False)
     trainer.callbacks.append(tracker)
     collectives.reset_stats()
     trainer.fit(model)
-    rank = trainer.global_rank
     hook_state = getattr(trainer.strategy, "hook_state", None)
-    info = {
-        "world_size": trainer.world_size,
-        "hook_calls": getattr(hook_state, "calls", None),
-        "all_reduce_calls": collectives.stats().snapshot().get("all_reduce.calls", 0),
-        "all_reduce_bytes_sent": collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
-        "global_step": trainer.global_step,
-        "train_loss": float(trainer.callback_metrics["train_loss"]),
-        "losses": tracker.losses,
-    }
-    save_rank(a.out, rank, model, info)
+    save_fitted(
+        a.out,
+        trainer,
+        model,
+        hook_calls=getattr(hook_state, "calls", None),
+        all_reduce_calls=collectives.stats().snapshot().get("all_reduce.calls", 0),
+        all_reduce_bytes_sent=collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
+        train_loss=float(trainer.callback_metrics["train_loss"]),
+        losses=tracker.losses,
+    )
 
 
 if __name__ == "__main__":

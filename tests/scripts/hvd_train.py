@@ -10,11 +10,12 @@ import argparse
 
 import lightning as L
 import torch
-from rank_io import save_rank
+from rank_io import save_fitted
 
 import lightning_dist
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
             seed=7, batch_size=a.batch_size, optimizer=a.optimizer, lr=0.05 if a.optimizer == "sgd" else 3e-3
         )
     )
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy,
@@ -52,26 +53,20 @@ def main() -> None:
         gradient_clip_val=a.clip,
         limit_val_batches=2,
         val_check_interval=a.max_steps * a.accumulate,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         deterministic=True,
     )
     tracker = CommMonitor(log=False)
     trainer.callbacks.append(tracker)
     trainer.fit(model)
-    rank = trainer.global_rank
-    info = {
-        "world_size": trainer.world_size,
-        "global_step": trainer.global_step,
-        "losses": tracker.losses,
-        "val_acc": float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
-        "lr_scale": strategy.applied_lr_scale,
-        "stats": lightning_dist.collectives.stats().snapshot(),
-    }
-    save_rank(a.out, rank, model, info)
+    save_fitted(
+        a.out,
+        trainer,
+        model,
+        losses=tracker.losses,
+        val_acc=float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
+        lr_scale=strategy.applied_lr_scale,
+        stats=lightning_dist.collectives.stats().snapshot(),
+    )
 
 
 if __name__ == "__main__":

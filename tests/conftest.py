@@ -1,0 +1,61 @@
+"""Test-tier rules, enforced for every test.
+
+- A test that starts a child process (a training script, mpirun, torchrun, srun, a notebook kernel)
+  must be marked ``slow``: ``make test-fast`` (``-m "not slow"``) runs only tests without one. Any
+  other test that tries fails at the attempt (setup, call and teardown are all watched).
+- A child-process budget (``helpers.run_command``'s ``timeout``) must stay below the running
+  test's pytest-timeout, so the budget, which kills the child and shows its output, fires first.
+"""
+
+from __future__ import annotations
+
+import _posixsubprocess
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import helpers
+import pytest
+
+
+@contextlib.contextmanager
+def _no_child_processes(nodeid: str) -> Iterator[None]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        pytest.fail(
+            f"{nodeid} starts a child process but is not marked slow: "
+            "add @pytest.mark.slow (or pytestmark = pytest.mark.slow) so `make test-fast` leaves it out",
+            pytrace=False,
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        # subprocess.Popen/run/check_output, multiprocessing's fork, spawn and forkserver, os.system
+        mp.setattr(subprocess.Popen, "_execute_child", refuse)
+        mp.setattr(_posixsubprocess, "fork_exec", refuse)
+        mp.setattr(os, "fork", refuse)
+        mp.setattr(os, "posix_spawn", refuse)
+        mp.setattr(os, "posix_spawnp", refuse)
+        mp.setattr(os, "system", refuse)
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    with _no_child_processes(item.nodeid):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Any:
+    """pytest-timeout arms the test's timer (setup to teardown): note its timeout for the helpers."""
+    helpers.TEST_TIMEOUT = settings.timeout
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> Any:
+    helpers.TEST_TIMEOUT = None
+    return (yield)

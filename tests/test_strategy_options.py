@@ -1,0 +1,129 @@
+"""Strategy argument checks and registered names: every error is raised before any process starts,
+so nothing here needs one (DDP, Compressed, Horovod and HorovodAdasum, and the missing-horovod error)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_dist import DDP, Compressed, Horovod, HorovodAdasum
+from lightning_dist.compression import COMPRESSORS, PowerSGD
+
+
+# -- DDP ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        (
+            {"process_group_backend": "tcp"},
+            r"process_group_backend='tcp'.*accepted: None, 'gloo', 'nccl', 'mpi'",
+        ),
+        ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a number > 0"),
+        ({"bucket_cap_mb": -5.0}, r"bucket_cap_mb=-5.0 must be a number > 0"),
+        ({"bucket_size": 25}, r"unknown option\(s\) bucket_size; accepted: .*bucket_cap_mb"),
+        ({"reduce_op": "median"}, r"reduce_op='median'.*accepted: 'avg', 'sum', 'adasum'"),
+        ({"start_method": "thread"}, r"start_method='thread'.*accepted: 'auto', 'popen'"),
+    ],
+)
+def test_bad_arguments_raise_before_any_process_starts(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        DDP(**kwargs)
+
+
+def test_registered_names_resolve_to_ddp() -> None:
+    for name in ("ld_ddp", "ld_ddp_spawn", "ld_ddp_fork", "ld_ddp_notebook", "ld_ddp_adasum"):
+        assert StrategyRegistry[name]["strategy"] is DDP
+    assert StrategyRegistry["ld_ddp_adasum"]["init_params"]["reduce_op"] == "adasum"
+
+
+# -- Compressed -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "kwargs", "pattern"),
+    [
+        (
+            ("bogus",),
+            {},
+            r"compressor='bogus' is not known; accepted: none, fp16, bf16, int8, topk, powersgd",
+        ),
+        (("powersgd",), {"rank": 0}, r"powersgd: rank=0 must be an integer >= 1"),
+        (("topk",), {"ratio": 1.5}, r"topk: ratio=1.5 must be in \(0, 1\]"),
+        (("topk",), {"ratio": 0.0}, r"topk: ratio=0.0 must be in \(0, 1\]"),
+        (("powersgd",), {"rnk": 4}, r"unknown option 'rnk'; accepted: rank, .*; strategy options: reduce_op"),
+        (
+            ("topk",),
+            {"reduce_op": "adasum"},
+            r"reduce_op='adasum' .* compressors that allow it: none, fp16, bf16",
+        ),
+        (("fp16",), {"reduce_op": "max"}, r"reduce_op='max' is not supported; accepted: 'avg', 'adasum'"),
+        ((PowerSGD(),), {"rank": 2}, r"unknown option\(s\) rank; a Compressor instance takes its options"),
+        (("fp16",), {"bucket_cap_mb": 0}, r"bucket_cap_mb=0 must be a number > 0"),
+        (("fp16",), {"log_stats": "yes"}, r"log_stats='yes' is not supported; accepted: True, False"),
+    ],
+)
+def test_bad_options_raise_before_any_process(args: tuple, kwargs: dict[str, Any], pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Compressed(*args, **kwargs)
+
+
+def test_names_instances_and_registry() -> None:
+    by_name = Compressed("powersgd", rank=4, bucket_cap_mb=2)
+    instance = PowerSGD(rank=4)
+    by_object = Compressed(instance)
+    assert by_name.compressor.config == by_object.compressor.config and by_object.compressor is instance
+    assert by_name.reduce_op == "avg" and Compressed("bf16", reduce_op="adasum").reduce_op == "adasum"
+    for name in COMPRESSORS:
+        entry = StrategyRegistry[f"compressed_{name}"]
+        assert entry["strategy"] is Compressed and entry["init_params"] == {"compressor": name}
+
+
+# -- Horovod --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"op": "mean"}, r"op='mean' is not supported; accepted: 'average', 'sum', 'adasum'"),
+        ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
+        ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
+        ({"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
+        ({"op": "adasum", "compression": "fp16"}, r"compression='fp16' is not supported with op='adasum'"),
+        ({"op": "adasum", "compression": "bf16"}, r"compression='bf16' is not supported with op='adasum'"),
+    ],
+)
+def test_bad_horovod_arguments(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        Horovod(**kwargs)
+
+
+def test_compression_takes_allreduce_compressors_only() -> None:
+    from lightning_dist.compression import BF16Compression, TopK
+
+    assert isinstance(Horovod(compression="bf16").compressor, BF16Compression)
+    assert Horovod(compression="none").compressor is None
+    instance = BF16Compression()
+    assert Horovod(compression=instance).compressor is instance
+    with pytest.raises(
+        ValueError, match=r"Horovod needs an all-reduce compressor; accepted: none, fp16, bf16"
+    ):
+        Horovod(compression=TopK(ratio=0.1))
+
+
+def test_horovod_adasum_rejects_other_ops() -> None:
+    with pytest.raises(ValueError, match="HorovodAdasum always uses 'adasum'"):
+        HorovodAdasum(op="average")
+
+
+def test_missing_horovod_points_to_install_script(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "horovod", None)
+    monkeypatch.setitem(sys.modules, "horovod.torch", None)
+    strategy = Horovod()
+    with pytest.raises(ImportError, match=r"scripts/install-horovod.sh"):
+        _ = strategy.world_size
+
+
+def test_registered_horovod_names() -> None:
+    assert StrategyRegistry["horovod"]["strategy"] is Horovod
+    assert StrategyRegistry["horovod_adasum"]["strategy"] is HorovodAdasum
+    assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}
+    assert StrategyRegistry["horovod_bf16"]["init_params"] == {"compression": "bf16"}
