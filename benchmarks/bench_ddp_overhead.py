@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from lightning_dist.demo import DemoRun, run_one
+from lightning_dist.workload.demo import DemoRun, run_one
 
 REFERENCE = DemoRun("Lightning DDPStrategy", "ddp")
 CANDIDATE = DemoRun("lightning_dist DDP()", "ld_ddp")

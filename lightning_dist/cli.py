@@ -45,7 +45,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub.add_parser("env", help="print versions and which launchers/backends are available")
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":
-        from lightning_dist.demo import main as demo_main
+        from lightning_dist.workload.demo import main as demo_main
 
         return demo_main(args.steps, extra)
     return _env()

@@ -16,9 +16,7 @@ def local_gradients(start: Weights, batch: list[Tensor]) -> Weights:
     torch.set_num_threads(1)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
     model.load_state_dict(start)
-    loss = torch.nn.functional.cross_entropy(
-        model(batch[0]).flatten(0, 1).float(), batch[1].flatten()
-    )
+    loss = torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1).float(), batch[1].flatten())
     loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 

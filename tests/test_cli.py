@@ -59,7 +59,7 @@ def test_env_console_script() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(360)  # above the demo's budget
 def test_demo_prints_one_row_per_strategy() -> None:
-    from lightning_dist.demo import demo_runs
+    from lightning_dist.workload.demo import demo_runs
 
     # 9 rows, one 2-process training each: about 65 s on 2 shared cores
     out = run_script(["python", "-m", "lightning_dist.cli", "demo", "--steps", "4"], timeout=300).stdout

@@ -20,7 +20,7 @@ ATOL = 1e-6
 def test_one_sgd_step_is_p0_minus_lr_adasum_of_the_gradients(tmp_path: Path) -> None:
     out = tmp_path / "step"
     run_script([str(SCRIPTS / "one_step.py"), "--strategy", "ld_ddp_adasum", "--optimizer", "sgd",
-                "--lr", str(LR), "--out", str(out)])  # fmt: skip
+                "--lr", str(LR), "--out", str(out)], timeout=120)  # fmt: skip
     ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
     start = ranks[0]["start"]
     g0, g1 = (local_gradients(start, r["batch"]) for r in ranks)
@@ -47,7 +47,8 @@ def test_ddp_adasum_trains_and_ranks_stay_identical(tmp_path: Path, world_size: 
             "12",
             "--out",
             str(out),
-        ]
+        ],
+        timeout=150,
     )
     w0, info0 = load_rank(out, 0)
     assert info0["world_size"] == world_size

@@ -13,7 +13,7 @@ into the keys the checkpointed state belongs to.
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

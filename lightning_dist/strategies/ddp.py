@@ -129,7 +129,10 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(self.hook_state, self._comm_hook())
         logger.debug(
-            "%s: comm hook %s registered on %s", type(self).__name__, self._comm_hook().__name__, self.root_device
+            "%s: comm hook %s registered on %s",
+            type(self).__name__,
+            self._comm_hook().__name__,
+            self.root_device,
         )
 
     @override

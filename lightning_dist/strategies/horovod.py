@@ -145,7 +145,13 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         collectives.use(collectives.Communicator(self.backend))
-        logger.debug("%s: rank %d of %d on %s", type(self).__name__, self.global_rank, self.world_size, self.root_device)
+        logger.debug(
+            "%s: rank %d of %d on %s",
+            type(self).__name__,
+            self.global_rank,
+            self.world_size,
+            self.root_device,
+        )
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         if self.root_device.type == "cuda":
             torch.cuda.set_device(self.root_device)
@@ -171,7 +177,9 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
             self.setup_optimizers(trainer)
             self._scale_learning_rates()
             self._broadcast_optimizer_state()
-            logger.debug("%s: optimizers broadcast; lr scaled by %s", type(self).__name__, self.applied_lr_scale)
+            logger.debug(
+                "%s: optimizers broadcast; lr scaled by %s", type(self).__name__, self.applied_lr_scale
+            )
             self._setup_gradient_sync()
         self.setup_precision_plugin()
 

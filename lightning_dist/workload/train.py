@@ -15,6 +15,7 @@ import torch
 
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload.model import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 @dataclass
@@ -63,7 +64,9 @@ def build_strategy(spec: str) -> Any:
 
     cls = getattr(importlib.import_module(module_name), call.func.id, None)
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
-        raise ValueError(f"--strategy {spec!r}: {module_name}.{call.func.id} is not a Lightning Strategy class")
+        raise ValueError(
+            f"--strategy {spec!r}: {module_name}.{call.func.id} is not a Lightning Strategy class"
+        )
     return cls(**kwargs)
 
 
@@ -73,7 +76,7 @@ def train(run: TrainRun) -> dict[str, Any]:
     L.seed_everything(run.seed, workers=True, verbose=False)
     model = TinyCausalLM(WorkloadConfig(seed=run.seed, **run.workload))
     monitor = CommMonitor(log=False)
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator=run.accelerator,
         devices=run.devices,
         num_nodes=run.num_nodes,
@@ -82,13 +85,8 @@ def train(run: TrainRun) -> dict[str, Any]:
         accumulate_grad_batches=run.accumulate_grad_batches,
         precision=run.precision,  # type: ignore[arg-type]
         limit_val_batches=run.val_batches,
-        num_sanity_val_steps=0,
         val_check_interval=None,
         check_val_every_n_epoch=None if run.max_steps > 0 else 1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         callbacks=[monitor],
         # bitwise-repeatable on CPU; on GPUs some kernels have no deterministic variant
         deterministic=run.accelerator == "cpu",

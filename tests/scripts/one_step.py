@@ -17,6 +17,7 @@ from torch import Tensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 class OneStep(TinyCausalLM):
@@ -49,17 +50,12 @@ def main() -> None:
     L.seed_everything(7, verbose=False)
     model = OneStep(a.optimizer, a.lr)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=a.devices,
         strategy=a.strategy,
         max_steps=1,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        logger=False,
         deterministic=True,
     )
     trainer.fit(model)
