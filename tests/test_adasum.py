@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.futures import Future
+from typing_extensions import override
 
-from lightning_dist.collectives import Backend, Communicator, SingleProcessBackend, TorchBackend
+from lightning_dist.collectives import Communicator, SingleProcessBackend, TorchBackend
 from lightning_dist.collectives import adasum as adasum_mod
 from lightning_dist.collectives.adasum import adasum_all_reduce, adasum_pair, adasum_reference
 from lightning_dist.testing import run_in_threads
@@ -254,57 +255,42 @@ def test_rejects_integer_tensors() -> None:
     assert run_in_threads(2, body) == ["ok", "ok"]
 
 
-class FutureOnlyBackend(Backend):
-    """Delegates to a TorchBackend but is not one, so Adasum takes the generic futures path."""
+class RecordingBackend(TorchBackend):
+    """A TorchBackend that records which operations it is asked for."""
 
-    def __init__(self, inner: TorchBackend) -> None:
-        self.inner = inner
+    def __init__(self, group: Any) -> None:
+        super().__init__(group)
+        self.calls: list[tuple[str, int]] = []
 
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
+    @override
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Future:
+        self.calls.append(("send", tag))
+        return super().send(tensor, dst, tag)
 
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
+    @override
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Future:
+        self.calls.append(("recv", tag))
+        return super().recv(tensor, src, tag)
 
+    @override
     def all_reduce(self, tensor: torch.Tensor, op: str) -> Future:
-        return self.inner.all_reduce(tensor, op)
-
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Future:
-        return self.inner.broadcast(tensor, src)
-
-    def all_gather(self, tensor: torch.Tensor) -> Future:
-        return self.inner.all_gather(tensor)
-
-    def reduce_scatter(self, output: torch.Tensor, inputs: list[torch.Tensor], op: str) -> Future:
-        return self.inner.reduce_scatter(output, inputs, op)
-
-    def all_to_all(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Future:
-        return self.inner.all_to_all(outputs, inputs)
-
-    def send(self, tensor: torch.Tensor, dst: int) -> Future:
-        return self.inner.send(tensor, dst)
-
-    def recv(self, tensor: torch.Tensor, src: int) -> Future:
-        return self.inner.recv(tensor, src)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
+        self.calls.append(("all_reduce", 0))
+        return super().all_reduce(tensor, op)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_generic_backend_futures_path(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exchange_uses_only_tagged_send_recv(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(adasum_mod, "CHUNK_BYTES", 64)
 
-    def body(comm: Communicator) -> list[torch.Tensor]:
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], set[tuple[str, int]]]:
         assert isinstance(comm.backend, TorchBackend)
-        wrapped = Communicator(FutureOnlyBackend(comm.backend), stats=comm.stats)
+        backend = RecordingBackend(comm.backend.group)
         ts = rank_tensors(comm.rank)
-        wrapped.all_reduce(ts, op="adasum")
-        return ts
+        Communicator(backend, stats=comm.stats).all_reduce(ts, op="adasum")
+        return ts, set(backend.calls)
 
     expected = adasum_reference([rank_tensors(r) for r in range(world_size)])
-    for outs in run_in_threads(world_size, body):
+    for outs, calls in run_in_threads(world_size, body):
+        assert calls == {("send", adasum_mod.ADASUM_TAG), ("recv", adasum_mod.ADASUM_TAG)}
         for out, ref in zip(outs, expected, strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -3,11 +3,15 @@ with the byte counters checked against the documented wire model."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
 from lightning_dist import collectives
 from lightning_dist.collectives import Communicator, SingleProcessBackend
+from lightning_dist.collectives.futures import chain
 from lightning_dist.testing import run_in_threads
 
 WORLD_SIZES = [2, 3]
@@ -20,17 +24,17 @@ def rank_tensor(
     return torch.randn(shape, generator=gen).to(dtype)
 
 
+def reduce_reference(per_rank: list[torch.Tensor], op: str) -> torch.Tensor:
+    stacked = torch.stack(per_rank)
+    if op in ("min", "max"):
+        return stacked.amin(0) if op == "min" else stacked.amax(0)
+    return stacked.sum(0) if op == "sum" else stacked.mean(0)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("op", ["sum", "avg", "min", "max"])
 def test_all_reduce_matches_reference(world_size: int, op: str) -> None:
-    inputs = [rank_tensor(r) for r in range(world_size)]
-    stacked = torch.stack(inputs)
-    expected = {
-        "sum": stacked.sum(0),
-        "avg": stacked.mean(0),
-        "min": stacked.min(0).values,
-        "max": stacked.max(0).values,
-    }[op]
+    expected = reduce_reference([rank_tensor(r) for r in range(world_size)], op)
 
     def body(comm: Communicator) -> tuple[torch.Tensor, dict[str, float]]:
         t = rank_tensor(comm.rank)
@@ -128,13 +132,12 @@ def test_all_gather_unequal_first_dimension(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("op", ["sum", "avg", "max"])
+@pytest.mark.parametrize("op", ["sum", "avg", "min", "max"])
 def test_reduce_scatter(world_size: int, op: str) -> None:
     def body(comm: Communicator) -> tuple[torch.Tensor, dict[str, float]]:
         return comm.reduce_scatter(rank_tensor(comm.rank, (world_size * 2, 3)), op), comm.stats.snapshot()
 
-    stacked = torch.stack([rank_tensor(r, (world_size * 2, 3)) for r in range(world_size)])
-    full = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.max(0).values}[op]
+    full = reduce_reference([rank_tensor(r, (world_size * 2, 3)) for r in range(world_size)], op)
     for rank, (out, snap) in enumerate(run_in_threads(world_size, body)):
         torch.testing.assert_close(out, full.chunk(world_size)[rank], rtol=1e-6, atol=1e-6)
         moved = (world_size - 1) * (world_size * 2 * 3 * 4) // world_size
@@ -159,6 +162,103 @@ def test_all_to_all_uneven(world_size: int) -> None:
         lengths = (world_size - 1) * 8
         assert snap["all_to_all.bytes_sent"] == sent + lengths
         assert snap["all_to_all.bytes_received"] == received + lengths
+
+
+def test_reduce_scatter_sums_in_rank_order() -> None:
+    def body(comm: Communicator) -> torch.Tensor:
+        return comm.reduce_scatter([rank_tensor(comm.rank, (6,)) * 10**j for j in range(3)], "sum")
+
+    for rank, out in enumerate(run_in_threads(3, body)):
+        parts = [rank_tensor(r, (6,)) * 10**rank for r in range(3)]
+        assert torch.equal(out, parts[0] + parts[1] + parts[2])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_shape_exchanges_can_start_from_a_callback(world_size: int) -> None:
+    """all_gather of unequal shapes and all_to_all never block, so a callback may start them."""
+
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+        r = comm.rank
+        first = comm.all_reduce_async(torch.ones(2))
+        gathered = chain(first, lambda _: comm.all_gather_async(torch.full((r + 1, 2), float(r))))
+        moved = chain(
+            gathered, lambda _: comm.all_to_all_async([torch.full((r + 1,), float(r))] * world_size)
+        )
+        return gathered.wait(), moved.wait(), comm.stats.snapshot()
+
+    for gathered, moved, snap in run_in_threads(world_size, body):
+        for src in range(world_size):
+            assert torch.equal(gathered[src], torch.full((src + 1, 2), float(src)))
+            assert torch.equal(moved[src], torch.full((src + 1,), float(src)))
+        assert snap["all_gather.calls"] == 2 and snap["all_to_all.calls"] == 2
+        assert snap["all_gather.seconds"] > 0 and snap["all_to_all.seconds"] > 0
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_calls_after_a_shape_exchange_keep_their_order(world_size: int) -> None:
+    """Rank 0 lets its shape exchange finish before it posts more; the data exchange, posted from
+    a callback, must still come before the later calls on every rank."""
+
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        r = comm.rank
+        gathered = comm.all_gather_async(torch.full((r + 1, 3), float(r)))
+        if r == 0:
+            time.sleep(0.2)
+        reduced = comm.all_reduce_async(torch.full((4,), float(r)))
+        moved = comm.all_to_all_async([torch.full((r + j + 1,), float(r)) for j in range(world_size)])
+        sent = comm.broadcast_async(torch.full((2,), float(r)), src=world_size - 1)
+        comm.barrier()
+        return gathered.wait(), reduced.wait(), moved.wait(), sent.wait()
+
+    total = float(sum(range(world_size)))
+    for rank, (gathered, reduced, moved, sent) in enumerate(run_in_threads(world_size, body)):
+        assert all(torch.equal(g, torch.full((j + 1, 3), float(j))) for j, g in enumerate(gathered))
+        assert torch.equal(reduced, torch.full((4,), total))
+        assert all(torch.equal(m, torch.full((j + rank + 1,), float(j))) for j, m in enumerate(moved))
+        assert torch.equal(sent, torch.full((2,), float(world_size - 1)))
+
+
+def test_unequal_trailing_dimensions_fail_on_every_rank() -> None:
+    def body(comm: Communicator) -> str:
+        fut = comm.all_gather_async(torch.zeros(2, comm.rank + 1))
+        with pytest.raises(ValueError, match="may differ only in their first dimension"):
+            fut.wait()
+        comm.all_reduce(torch.ones(1))  # the communicator is still usable
+        return "ok"
+
+    assert run_in_threads(2, body) == ["ok", "ok"]
+
+
+def test_run_in_threads_fails_fast_when_a_rank_raises() -> None:
+    def body(comm: Communicator) -> None:
+        if comm.rank == 1:
+            raise KeyError("boom")
+        comm.all_reduce(torch.ones(2))  # blocks on rank 1 until its group closes
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 failed: KeyError"):
+        run_in_threads(2, body, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+def test_run_in_threads_has_one_deadline() -> None:
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish within 1.0s"):
+        run_in_threads(2, lambda comm: release.wait(30), timeout=1.0)
+    assert time.monotonic() - start < 2.5
+    release.set()  # let the ranks end, so that no process group outlives the test
+    for t in threading.enumerate():
+        if t.name in ("rank0", "rank1"):
+            t.join(10)
+
+
+def test_all_to_all_with_empty_chunks() -> None:
+    def body(comm: Communicator) -> list[torch.Tensor]:
+        return comm.all_to_all([torch.full((comm.rank * j, 2), float(comm.rank)) for j in range(3)])
+
+    for rank, outs in enumerate(run_in_threads(3, body)):
+        assert [tuple(o.shape) for o in outs] == [(src * rank, 2) for src in range(3)]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -7,7 +7,8 @@ comparable across backends rather than sampled from a network interface.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 @dataclass
@@ -18,6 +19,20 @@ class OpStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
+
+
+_FIELDS = tuple(f.name for f in fields(OpStats))  # calls, bytes_sent, bytes_received, seconds
+_TOTALS = ("bytes_sent", "bytes_received", "seconds", "calls")  # the order of ``snapshot``
+
+
+def _total(name: str) -> Any:
+    """A read-only property: ``OpStats.<name>`` summed over every op."""
+
+    def get(self: CommStats) -> Any:
+        with self._lock:
+            return self._sum(name)
+
+    return property(get, doc=f"``{name}`` summed over every op.")
 
 
 @dataclass
@@ -39,36 +54,21 @@ class CommStats:
         with self._lock:
             self.per_op.setdefault(op, OpStats()).seconds += seconds
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(s.bytes_sent for s in self.per_op.values())
+    def _sum(self, name: str) -> Any:
+        return sum(getattr(s, name) for s in self.per_op.values())
 
-    @property
-    def bytes_received(self) -> int:
-        return sum(s.bytes_received for s in self.per_op.values())
-
-    @property
-    def seconds(self) -> float:
-        return sum(s.seconds for s in self.per_op.values())
-
-    @property
-    def calls(self) -> int:
-        return sum(s.calls for s in self.per_op.values())
+    bytes_sent = _total("bytes_sent")
+    bytes_received = _total("bytes_received")
+    seconds = _total("seconds")
+    calls = _total("calls")
 
     def snapshot(self) -> dict[str, float]:
         """Flat totals plus ``<op>.bytes_sent`` style entries, for logging."""
         with self._lock:
-            out: dict[str, float] = {
-                "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received,
-                "seconds": self.seconds,
-                "calls": self.calls,
-            }
+            out: dict[str, float] = {name: self._sum(name) for name in _TOTALS}
             for op, s in self.per_op.items():
-                out[f"{op}.calls"] = s.calls
-                out[f"{op}.bytes_sent"] = s.bytes_sent
-                out[f"{op}.bytes_received"] = s.bytes_received
-                out[f"{op}.seconds"] = s.seconds
+                for name in _FIELDS:
+                    out[f"{op}.{name}"] = getattr(s, name)
             return out
 
     def reset(self) -> None:

@@ -24,17 +24,21 @@ smallest normal double) counts as zero: its coefficient is 1, so adasum(0, b) ==
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.futures import Future
 
-from lightning_dist.collectives.communicator import Communicator, register_adasum
-from lightning_dist.collectives.torch_backend import TorchBackend
+if TYPE_CHECKING:
+    from lightning_dist.collectives.communicator import Communicator
+
+logger = logging.getLogger(__name__)
 
 NORM_SQ_FLOOR = math.sqrt(sys.float_info.min)
 """Squared norms below this count as zero, as in Horovod 0.28's ``FusedPairwiseReduceWithComm``."""
@@ -44,7 +48,9 @@ CHUNK_BYTES = 1 << 20
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-_TAG = 7
+ADASUM_TAG = 7
+"""Point-to-point tag of Adasum's messages, apart from other send/recv traffic on the backend."""
+
 _MANY_PIECES = 16
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
@@ -95,10 +101,10 @@ def adasum_reference(per_rank_tensors: Sequence[TensorOrList]) -> Any:
 class _Link:
     """Non-blocking send/recv to one peer at a time, cut into chunks, with byte tallies.
 
-    On a ``TorchBackend`` it posts process-group work directly (no helper thread per message);
-    otherwise it uses the backend's futures. On NCCL the lower rank of a pair posts its sends first
-    and the higher rank its receives first, since NCCL serialises one pair's operations. Gloo
-    sends only host memory (``host_only``), so CUDA tensors are reduced through a CPU copy.
+    Messages go through the backend's ``send``/``recv`` futures with ``ADASUM_TAG``. On a CUDA
+    transport (NCCL) the lower rank of a pair posts its sends first and the higher rank its
+    receives first, since NCCL serialises one pair's operations. A CPU transport (Gloo) sends only
+    host memory (``host_only``), so CUDA tensors are reduced through a CPU copy.
     """
 
     def __init__(self, comm: Communicator) -> None:
@@ -106,23 +112,18 @@ class _Link:
         self.backend = backend
         self.rank = comm.rank
         self.world_size = comm.world_size
-        self.group = backend.group if isinstance(backend, TorchBackend) else None
-        self.strict = isinstance(backend, TorchBackend) and backend.device_type == "cuda"
-        self.host_only = isinstance(backend, TorchBackend) and backend.device_type == "cpu"
+        self.strict = backend.device_type == "cuda"
+        self.host_only = backend.device_type == "cpu"
         self.sent = 0
         self.received = 0
 
-    def _post_send(self, tensor: Tensor, peer: int) -> Any:
+    def _post_send(self, tensor: Tensor, peer: int) -> Future:
         self.sent += tensor.numel() * tensor.element_size()
-        if self.group is not None:
-            return self.group.send([tensor], peer, _TAG)
-        return self.backend.send(tensor, peer)
+        return self.backend.send(tensor, peer, tag=ADASUM_TAG)
 
-    def _post_recv(self, tensor: Tensor, peer: int) -> Any:
+    def _post_recv(self, tensor: Tensor, peer: int) -> Future:
         self.received += tensor.numel() * tensor.element_size()
-        if self.group is not None:
-            return self.group.recv([tensor], peer, _TAG)
-        return self.backend.recv(tensor, peer)
+        return self.backend.recv(tensor, peer, tag=ADASUM_TAG)
 
     def exchange(
         self,
@@ -145,7 +146,9 @@ class _Link:
             for i, part in enumerate(sends):
                 prepare(i * chunk, i * chunk + part.numel())
             prepare = None
-        recv_first = prepare is not None or (self.strict and self.rank > peer)
+        # Receives go first (a CPU transport's completer waits in posting order, and the received
+        # chunks are what this rank waits for first), except on NCCL where the pair's order rules.
+        recv_first = not self.strict or self.rank > peer
         recv_work = [self._post_recv(t, peer) for t in recvs] if recv_first else []
         send_work = []
         for i, part in enumerate(sends):
@@ -338,8 +341,7 @@ def adasum_all_reduce(comm: Communicator, tensors: list[Tensor]) -> list[Tensor]
                 for t in members:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-    comm.count("adasum", link.sent, link.received, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    comm.count("adasum", link.sent, link.received, seconds)
+    logger.debug("adasum: %d tensors, %d bytes sent in %.4fs", len(tensors), link.sent, seconds)
     return tensors
-
-
-register_adasum(adasum_all_reduce)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import pickle
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
 from torch import Tensor
 from torch.futures import Future
+
+from lightning_dist.collectives.accounting import ring_all_reduce_bytes
+
+if TYPE_CHECKING:
+    from lightning_dist.collectives.communicator import Communicator
 
 ReduceOp = Literal["sum", "avg", "min", "max", "adasum"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "adasum")
@@ -24,17 +31,28 @@ def check_reduce_op(op: str) -> str:
     return name
 
 
-def completed_future(value: Any) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+def rows(t: Tensor) -> int:
+    """The first dimension as an all-to-all's split sizes count it (a 0-d tensor is one row)."""
+    return t.shape[0] if t.dim() else 1
+
+
+def cat_rows(tensors: list[Tensor]) -> Tensor:
+    """``tensors`` concatenated as rows of one 2-d tensor (the send buffer of an all-to-all)."""
+    return torch.cat([t.reshape(rows(t), math.prod(t.shape[1:])) for t in tensors])
+
+
+def split_rows(received: Tensor, outputs: list[Tensor]) -> list[Tensor]:
+    """Copy the rows of ``received`` into ``outputs``, in order; returns ``outputs``."""
+    for out, part in zip(outputs, received.split([rows(t) for t in outputs]), strict=True):
+        out.copy_(part.reshape(out.shape))
+    return outputs
 
 
 class Backend(ABC):
     """One transport (a torch process group, Horovod, or a single process).
 
-    Methods start the operation and return a future; ``Communicator`` adds accounting and the
-    blocking forms. Tensors are reduced/broadcast in place; gathers return new tensors.
+    Methods start the operation and return a future; ``Communicator`` adds accounting, call order
+    and the blocking forms. Tensors are reduced/broadcast in place; gathers return new tensors.
     """
 
     name: str = "backend"
@@ -47,9 +65,33 @@ class Backend(ABC):
     @abstractmethod
     def world_size(self) -> int: ...
 
+    @property
+    def device_type(self) -> str:
+        """Device type of the tensors this transport moves (``cuda`` for NCCL, else ``cpu``)."""
+        return "cpu"
+
+    def to_transport_device(self, tensor: Tensor) -> Tensor:
+        """``tensor`` where this transport needs it: for control tensors (shapes, lengths, pickled
+        objects) that are made on the CPU."""
+        if tensor.device.type == self.device_type:
+            return tensor
+        if self.device_type == "cuda":
+            return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+        return tensor.to(self.device_type)
+
     @abstractmethod
     def all_reduce(self, tensor: Tensor, op: str) -> Future:
         """Reduce ``tensor`` in place over ranks with ``op`` in sum/avg/min/max; future -> tensor."""
+
+    def all_reduce_bytes(self, nbytes: int, dtype: torch.dtype) -> int:
+        """Bytes this rank sends (and receives) in ``all_reduce`` of ``nbytes`` of ``dtype``; the
+        default is a ring all-reduce."""
+        return ring_all_reduce_bytes(nbytes, self.world_size)
+
+    def native_adasum(self, comm: Communicator, tensors: list[Tensor]) -> Optional[list[Tensor]]:
+        """The transport's own Adasum of ``tensors`` in place, counting its bytes into ``comm``;
+        ``None`` (the default) means it has none and the library's Adasum runs instead."""
+        return None
 
     @abstractmethod
     def broadcast(self, tensor: Tensor, src: int) -> Future:
@@ -68,11 +110,11 @@ class Backend(ABC):
         """Rank r sends ``inputs[j]`` to rank j, which stores it in ``outputs[r]``; future -> outputs."""
 
     @abstractmethod
-    def send(self, tensor: Tensor, dst: int) -> Future:
-        """Point-to-point send (used by Adasum's exchange); future -> tensor."""
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
+        """Point-to-point send, matched with the ``recv`` of the same ``tag``; future -> tensor."""
 
     @abstractmethod
-    def recv(self, tensor: Tensor, src: int) -> Future:
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
         """Point-to-point receive into ``tensor``; future -> tensor."""
 
     @abstractmethod
@@ -80,18 +122,12 @@ class Backend(ABC):
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Broadcast a picklable object; the default pickles into a byte tensor."""
-        import pickle
-
         if self.rank == src:
             payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        size = self.broadcast(self._to_device(size), src).wait().cpu()
+        size = self.broadcast(self.to_transport_device(size), src).wait().cpu()
         buf = payload if self.rank == src else torch.empty(int(size.item()), dtype=torch.uint8)
-        buf = self.broadcast(self._to_device(buf), src).wait().cpu()
+        buf = self.broadcast(self.to_transport_device(buf), src).wait().cpu()
         return obj if self.rank == src else pickle.loads(buf.numpy().tobytes())
-
-    def _to_device(self, tensor: Tensor) -> Tensor:
-        """Where control-plane tensors must live for this transport (CPU unless NCCL)."""
-        return tensor

@@ -1,19 +1,30 @@
 """``Communicator``: the collectives API over one backend, with byte/time accounting on every call.
 
 Wire model for the byte counters (per rank, N = payload bytes, W = world size):
-  all_reduce      ring: sends and receives 2*(W-1)*N // W
+  all_reduce      what the backend reports (``Backend.all_reduce_bytes``); a ring by default:
+                  sends and receives 2*(W-1)*N // W
   broadcast       the source sends (W-1)*N, every other rank receives N
   all_gather      sends (W-1)*N_own, receives the sum of the others' N (uneven: padded sizes, plus
                   the int64 shape exchange)
   reduce_scatter  sends and receives (W-1)*N // W of its N-byte input
-  all_to_all      sends the chunks addressed to other ranks, receives the chunks from them
+  all_to_all      sends the chunks addressed to other ranks, receives the chunks from them (plus
+                  the int64 row-count exchange)
   adasum          what the recursive halving/doubling exchange really sends (see adasum.py)
-At world size 1 every count is zero.
+At world size 1 every count is zero. Seconds run from posting an operation to its completion.
+
+Ranks must post collectives in the same order. Two calls post their data exchange from a callback,
+once a shape exchange has completed (``all_gather`` of unequal shapes, ``all_to_all``); later calls
+on the same communicator are held back until then, so every rank still posts in call order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import pickle
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -21,26 +32,126 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dist.collectives.accounting import CommStats, ring_all_reduce_bytes
-from lightning_dist.collectives.backend import Backend, check_reduce_op, completed_future
+from lightning_dist.collectives.accounting import CommStats
+from lightning_dist.collectives.adasum import adasum_all_reduce
+from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
+from lightning_dist.collectives.completer import Completer
+from lightning_dist.collectives.futures import completed_future, forward
+
+logger = logging.getLogger(__name__)
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
-AdasumFn = Callable[["Communicator", list[Tensor]], list[Tensor]]
 
 PROCESS_STATS = CommStats()
 """Counters shared by every communicator made without its own ``stats`` in this process."""
 
-_ADASUM_IMPL: Optional[AdasumFn] = None
-
-
-def register_adasum(fn: AdasumFn) -> None:
-    """Install the Adasum reduction used for ``op="adasum"`` on backends without a native one."""
-    global _ADASUM_IMPL
-    _ADASUM_IMPL = fn
-
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _settled(fut: Future) -> Future:
+    """``fut`` once it has completed, with a value or an exception."""
+    with contextlib.suppress(BaseException):  # read by the caller through fut.value()
+        fut.wait()
+    return fut
+
+
+class _PostOrder:
+    """Posts backend operations in call order: while a two-stage call waits to post its second
+    stage, later calls are held back in a queue and posted, in order, once it has.
+
+    A second stage whose first has not completed yet is posted (with the calls held behind it) from
+    a ``Completer`` thread of this object, never from a transport's own thread: a callback there
+    that held the last reference to a process group would run the group's destructor inside the
+    group's worker thread, which aborts the process.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held: deque[tuple[Callable[[], None], bool]] = deque()  # (post it, is two-stage)
+        self._blocked = False  # a second stage is still to be posted
+        self._draining = False
+        self._poster = Completer("collectives-poster")
+
+    def _busy(self) -> bool:
+        return self._blocked or self._draining or bool(self._held)
+
+    def post(self, start: Callable[[], Future]) -> Future:
+        """``start()`` (which posts) now, or once every earlier call has posted."""
+        out: Future = Future()
+
+        def _run() -> None:
+            try:
+                fut = start()
+            except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
+                out.set_exception(exc)
+            else:
+                forward(fut, out)
+
+        with self._cond:
+            if self._busy():
+                self._held.append((_run, False))
+                return out
+        return start()
+
+    def post_two_stage(self, first: Callable[[], Future], second: Callable[[Any], Future]) -> Future:
+        """``first()`` as ``post`` does, then ``second(first's value)`` once that completes; later
+        calls are held back until ``second`` has posted (or either failed)."""
+        out: Future = Future()
+
+        # Later calls are released before the result is delivered, so that its callbacks find
+        # them posted.
+        def _second(head: Future) -> None:
+            try:
+                fut = second(head.value())
+            except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
+                self._unblock()
+                out.set_exception(exc)
+                return
+            self._unblock()
+            forward(fut, out)
+
+        def _run() -> None:  # called with self._blocked set
+            try:
+                head = first()
+            except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
+                self._unblock()
+                out.set_exception(exc)
+                return
+            if head.done():  # NCCL's futures complete when the work is queued: post from here
+                _second(_settled(head))
+            else:
+                self._poster.submit(lambda: _settled(head), _second)
+
+        with self._cond:
+            if self._busy():
+                self._held.append((_run, True))
+                return out
+            self._blocked = True
+        _run()
+        return out
+
+    def _unblock(self) -> None:
+        """Post held-back calls in order until one blocks again; one drain loop at a time."""
+        with self._cond:
+            self._blocked = False
+            if self._draining:
+                return  # the drain loop already running (this thread or another) carries on
+            self._draining = True
+        while True:
+            with self._cond:
+                if self._blocked or not self._held:
+                    self._draining = False
+                    self._cond.notify_all()
+                    return
+                run, self._blocked = self._held.popleft()
+            run()
+
+    def wait(self) -> None:
+        """Block until every earlier call has posted (before a blocking operation)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._busy())
 
 
 class Communicator:
@@ -49,6 +160,7 @@ class Communicator:
     def __init__(self, backend: Backend, stats: Optional[CommStats] = None) -> None:
         self.backend = backend
         self.stats = PROCESS_STATS if stats is None else stats
+        self._order = _PostOrder()
 
     @property
     def rank(self) -> int:
@@ -59,7 +171,8 @@ class Communicator:
         return self.backend.world_size
 
     # -- accounting -------------------------------------------------------------------------
-    def _account(self, op: str, sent: int, received: int, fut: Future) -> Future:
+    def _timed(self, op: str, sent: int, received: int, fut: Future) -> Future:
+        """Count ``sent``/``received`` bytes under ``op`` now and the seconds until ``fut`` completes."""
         if self.world_size <= 1:
             sent = received = 0
         start = time.perf_counter()
@@ -74,10 +187,17 @@ class Communicator:
 
         return fut.then(_done)
 
+    def _post(self, op: str, sent: int, received: int, start: Callable[[], Future]) -> Future:
+        """Post ``start()`` in call order and account for it."""
+        return self._order.post(lambda: self._timed(op, sent, received, start()))
+
     def count(self, op: str, sent: int, received: int, seconds: float = 0.0) -> None:
         """Add bytes moved by a caller-driven exchange (compound algorithms such as Adasum)."""
         if self.world_size > 1:
             self.stats.add(op, sent, received, seconds)
+
+    def _all_reduce_bytes(self, t: Tensor) -> int:
+        return self.backend.all_reduce_bytes(_nbytes(t), t.dtype)
 
     # -- all_reduce -------------------------------------------------------------------------
     def all_reduce_async(self, tensor: TensorOrList, op: str = "sum") -> Future:
@@ -88,15 +208,16 @@ class Communicator:
         if self.world_size == 1:
             return completed_future(tensor if single else tensors)
         if op == "adasum":
+            self._order.wait()
             reduced = self._adasum(tensors)
             return completed_future(reduced[0] if single else reduced)
+        backend = self.backend
         if single:
             t = tensors[0]
-            fut = self.backend.all_reduce(t, op)
-            nbytes = ring_all_reduce_bytes(_nbytes(t), self.world_size)
-            return self._account("all_reduce", nbytes, nbytes, fut)
+            nbytes = self._all_reduce_bytes(t)
+            return self._post("all_reduce", nbytes, nbytes, lambda: backend.all_reduce(t, op))
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-        nbytes = ring_all_reduce_bytes(_nbytes(flat), self.world_size)
+        nbytes = self._all_reduce_bytes(flat)
 
         def _unflatten(f: Future) -> list[Tensor]:
             out = f.value()
@@ -107,19 +228,14 @@ class Communicator:
                 offset += n
             return tensors
 
-        return self._account("all_reduce", nbytes, nbytes, self.backend.all_reduce(flat, op)).then(_unflatten)
+        return self._post("all_reduce", nbytes, nbytes, lambda: backend.all_reduce(flat, op)).then(_unflatten)
 
     def all_reduce(self, tensor: TensorOrList, op: str = "sum") -> Any:
         return self.all_reduce_async(tensor, op).wait()
 
     def _adasum(self, tensors: list[Tensor]) -> list[Tensor]:
-        native = getattr(self.backend, "adasum", None)
-        if native is not None:
-            return native(self, tensors)
-        if _ADASUM_IMPL is None:
-            import lightning_dist.collectives.adasum  # noqa: F401  (registers the implementation)
-        assert _ADASUM_IMPL is not None
-        return _ADASUM_IMPL(self, tensors)
+        native = self.backend.native_adasum(self, tensors)
+        return native if native is not None else adasum_all_reduce(self, tensors)
 
     # -- broadcast ----------------------------------------------------------------------------
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Future:
@@ -127,7 +243,8 @@ class Communicator:
             return completed_future(tensor)
         n = _nbytes(tensor)
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
-        return self._account("broadcast", sent, received, self.backend.broadcast(tensor, src))
+        backend = self.backend
+        return self._post("broadcast", sent, received, lambda: backend.broadcast(tensor, src))
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
         return self.broadcast_async(tensor, src).wait()
@@ -136,9 +253,8 @@ class Communicator:
         """Broadcast any picklable object from ``src``; counted as its pickled size plus 8 bytes."""
         if self.world_size == 1:
             return obj
+        self._order.wait()
         start = time.perf_counter()
-        import pickle
-
         result = self.backend.broadcast_object(obj, src)
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
@@ -147,38 +263,51 @@ class Communicator:
 
     # -- all_gather ---------------------------------------------------------------------------
     def all_gather_async(self, tensor: Tensor, same_shape: bool = False) -> Future:
-        """Gather from every rank, in rank order. Unequal first dimensions are allowed unless
-        ``same_shape=True`` promises equal shapes (which skips the shape exchange)."""
+        """Gather from every rank, in rank order.
+
+        Unequal first dimensions are allowed: the ranks first exchange their shapes, then gather
+        the tensors padded to the longest. That shape exchange is an ``all_gather`` call of its own
+        in the counters (its bytes and seconds); the data exchange is posted from its completion,
+        so this never blocks. Other dimensions that differ fail the future with a ``ValueError``
+        on every rank. ``same_shape=True`` promises equal shapes and skips the exchange.
+        """
         w = self.world_size
         if w == 1:
             return completed_future([tensor.clone()])
+        backend = self.backend
         if same_shape:
-            n = _nbytes(tensor)
-            return self._account("all_gather", (w - 1) * n, (w - 1) * n, self.backend.all_gather(tensor))
+            n = (w - 1) * _nbytes(tensor)
+            return self._post("all_gather", n, n, lambda: backend.all_gather(tensor))
         shape = torch.tensor(list(tensor.shape), dtype=torch.int64)
-        shapes_fut = self.backend.all_gather(self.backend._to_device(shape))
-        self._account(
-            "all_gather", (w - 1) * _nbytes(shape), (w - 1) * _nbytes(shape), completed_future(None)
-        )
-        shapes = [s.cpu() for s in shapes_fut.wait()]
+        shape_bytes = (w - 1) * _nbytes(shape)
         rest = tuple(tensor.shape[1:])
-        for s in shapes:
-            if tuple(s.tolist()[1:]) != rest:
-                raise ValueError(
-                    f"all_gather: tensors may differ only in their first dimension; got shapes "
-                    f"{[tuple(x.tolist()) for x in shapes]}"
-                )
-        lengths = [int(s[0]) for s in shapes] if tensor.dim() > 0 else [1] * w
-        longest = max(lengths)
-        padded = tensor
-        if tensor.dim() > 0 and tensor.shape[0] < longest:
-            padded = torch.zeros((longest, *rest), dtype=tensor.dtype, device=tensor.device)
-            padded[: tensor.shape[0]] = tensor
-        n = _nbytes(padded)
-        fut = self._account("all_gather", (w - 1) * n, (w - 1) * n, self.backend.all_gather(padded))
-        if tensor.dim() == 0:
-            return fut
-        return fut.then(lambda f: [g[:length] for g, length in zip(f.value(), lengths)])
+
+        def _gather_padded(gathered: list[Tensor]) -> Future:
+            shapes = [s.cpu() for s in gathered]
+            for s in shapes:
+                if tuple(s.tolist()[1:]) != rest:
+                    raise ValueError(
+                        f"all_gather: tensors may differ only in their first dimension; got shapes "
+                        f"{[tuple(x.tolist()) for x in shapes]}"
+                    )
+            lengths = [int(s[0]) for s in shapes] if tensor.dim() > 0 else [1] * w
+            longest = max(lengths)
+            padded = tensor
+            if tensor.dim() > 0 and tensor.shape[0] < longest:
+                padded = torch.zeros((longest, *rest), dtype=tensor.dtype, device=tensor.device)
+                padded[: tensor.shape[0]] = tensor
+            n = (w - 1) * _nbytes(padded)
+            fut = self._timed("all_gather", n, n, backend.all_gather(padded))
+            if tensor.dim() == 0:
+                return fut
+            return fut.then(lambda f: [g[:length] for g, length in zip(f.value(), lengths)])
+
+        return self._order.post_two_stage(
+            lambda: self._timed(
+                "all_gather", shape_bytes, shape_bytes, backend.all_gather(backend.to_transport_device(shape))
+            ),
+            _gather_padded,
+        )
 
     def all_gather(self, tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
         return self.all_gather_async(tensor, same_shape).wait()
@@ -205,9 +334,9 @@ class Communicator:
             return completed_future(inputs[0].clone())
         output = torch.empty_like(inputs[self.rank])
         inputs = [t.contiguous() for t in inputs]
-        n = sum(_nbytes(t) for t in inputs)
-        moved = (w - 1) * n // w
-        return self._account("reduce_scatter", moved, moved, self.backend.reduce_scatter(output, inputs, op))
+        moved = (w - 1) * sum(_nbytes(t) for t in inputs) // w
+        backend = self.backend
+        return self._post("reduce_scatter", moved, moved, lambda: backend.reduce_scatter(output, inputs, op))
 
     def reduce_scatter(self, tensor: TensorOrList, op: str = "sum") -> Tensor:
         return self.reduce_scatter_async(tensor, op).wait()
@@ -215,42 +344,57 @@ class Communicator:
     # -- all_to_all ---------------------------------------------------------------------------
     def all_to_all_async(self, inputs: Sequence[Tensor]) -> Future:
         """Send ``inputs[j]`` to rank j; returns what each rank sent here, in rank order.
-        First dimensions may differ (shapes are exchanged first)."""
+
+        First dimensions may differ: the ranks first exchange their row counts (int64), counted as
+        an ``all_to_all`` call of its own (its bytes and seconds); the data exchange is posted from
+        its completion, so this never blocks.
+        """
         w = self.world_size
         inputs = [t.contiguous() for t in inputs]
         if len(inputs) != w:
             raise ValueError(f"all_to_all: needs {w} input tensors (one per rank), got {len(inputs)}")
         if w == 1:
             return completed_future([inputs[0].clone()])
-        lengths = torch.tensor([t.shape[0] if t.dim() else 1 for t in inputs], dtype=torch.int64)
-        got = [torch.empty(1, dtype=torch.int64) for _ in range(w)]
-        send_len = [self.backend._to_device(x.reshape(1)) for x in lengths]
-        recv_len = [self.backend._to_device(x) for x in got]
-        self.backend.all_to_all(recv_len, send_len).wait()
-        self.count("all_to_all", (w - 1) * 8, (w - 1) * 8)
-        ref = inputs[self.rank]
+        backend = self.backend
+        rank = self.rank
+        lengths = torch.tensor([rows(t) for t in inputs], dtype=torch.int64)
+        send_len = [backend.to_transport_device(x.reshape(1)) for x in lengths]
+        recv_len = [backend.to_transport_device(torch.empty(1, dtype=torch.int64)) for _ in range(w)]
+        ref = inputs[rank]
         rest = tuple(ref.shape[1:])
-        outputs = [
-            torch.empty((int(n.item()), *rest) if ref.dim() else (), dtype=ref.dtype, device=ref.device)
-            for n in recv_len
-        ]
-        sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != self.rank)
-        received = sum(_nbytes(t) for j, t in enumerate(outputs) if j != self.rank)
-        return self._account("all_to_all", sent, received, self.backend.all_to_all(outputs, inputs))
+
+        def _exchange(received_len: list[Tensor]) -> Future:
+            rows = [int(n.item()) for n in received_len]
+            outputs = [
+                torch.empty((n, *rest) if ref.dim() else (), dtype=ref.dtype, device=ref.device) for n in rows
+            ]
+            sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != rank)
+            received = sum(_nbytes(t) for j, t in enumerate(outputs) if j != rank)
+            return self._timed("all_to_all", sent, received, backend.all_to_all(outputs, inputs))
+
+        return self._order.post_two_stage(
+            lambda: self._timed(
+                "all_to_all", (w - 1) * 8, (w - 1) * 8, backend.all_to_all(recv_len, send_len)
+            ),
+            _exchange,
+        )
 
     def all_to_all(self, inputs: Sequence[Tensor]) -> list[Tensor]:
         return self.all_to_all_async(inputs).wait()
 
     # -- point to point and barrier ---------------------------------------------------------------
-    def send(self, tensor: Tensor, dst: int) -> Future:
-        return self._account("send", _nbytes(tensor), 0, self.backend.send(tensor, dst))
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
+        backend = self.backend
+        return self._post("send", _nbytes(tensor), 0, lambda: backend.send(tensor, dst, tag))
 
-    def recv(self, tensor: Tensor, src: int) -> Future:
-        return self._account("recv", 0, _nbytes(tensor), self.backend.recv(tensor, src))
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
+        backend = self.backend
+        return self._post("recv", 0, _nbytes(tensor), lambda: backend.recv(tensor, src, tag))
 
     def barrier(self) -> None:
         if self.world_size == 1:
             return
+        self._order.wait()
         start = time.perf_counter()
         self.backend.barrier()
         self.stats.add("barrier", 0, 0, time.perf_counter() - start)

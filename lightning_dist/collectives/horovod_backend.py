@@ -1,15 +1,14 @@
 """Transport over Horovod (``horovod.torch``): its fused collectives and its MPI Adasum.
 
 Horovod is imported when a ``HorovodBackend`` is made, not when this module is, so the package works
-without it. Horovod's ops are asynchronous handles; one helper thread per backend waits on them in
-order (``hvd.synchronize``) and completes a ``torch.futures.Future`` for each, so callers get the
-same future-based interface as every other backend.
+without it. Horovod's ops are asynchronous handles; one ``Completer`` thread per backend waits on
+them in order (``hvd.synchronize``) and completes a ``torch.futures.Future`` for each, so callers get
+the same future-based interface as every other backend.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
+import logging
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -18,9 +17,11 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 from torch.futures import Future
+from typing_extensions import override
 
 from lightning_dist.collectives.accounting import ring_all_reduce_bytes
-from lightning_dist.collectives.backend import Backend
+from lightning_dist.collectives.backend import Backend, cat_rows, rows, split_rows
+from lightning_dist.collectives.completer import Completer
 
 if TYPE_CHECKING:
     from lightning_dist.collectives.communicator import Communicator
@@ -31,6 +32,12 @@ INSTALL_HINT = (
 )
 
 _ADASUM_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+BF16_GATHER_MAX_WORLD = 4
+"""Up to this world size a bfloat16 all-reduce is an all-gather of its 16-bit words, which sends
+(W - 1) N bytes, no more than the 4 (W - 1) N / W of a float32 ring all-reduce."""
+
+logger = logging.getLogger(__name__)
 
 
 def import_horovod() -> ModuleType:
@@ -46,33 +53,9 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-class _Completer:
-    """A daemon thread that waits on Horovod handles in submission order and completes futures."""
-
-    def __init__(self, hvd: ModuleType) -> None:
-        self.hvd = hvd
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread: Optional[threading.Thread] = None
-        self.lock = threading.Lock()
-
-    def submit(self, handle: int, finish: Callable[[Any], Any]) -> Future:
-        fut: Future = Future()
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._loop, name="horovod-completer", daemon=True)
-                self.thread.start()
-        self.pending.put((handle, finish, fut))
-        return fut
-
-    def _loop(self) -> None:
-        while True:
-            handle, finish, fut = self.pending.get()
-            try:
-                result = finish(self.hvd.synchronize(handle))
-            except BaseException as exc:  # noqa: BLE001  (delivered through the future)
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+def _hvd_query(name: str, doc: str) -> Any:
+    """A read-only property returning ``self.hvd.<name>()``."""
+    return property(lambda self: getattr(self.hvd, name)(), doc=doc)
 
 
 class HorovodBackend(Backend):
@@ -94,30 +77,26 @@ class HorovodBackend(Backend):
             "min": self.hvd.Min,
             "max": self.hvd.Max,
         }
-        self._completer = _Completer(self.hvd)
+        self._completer = Completer("horovod-completer")
+        logger.debug("HorovodBackend: rank %d of %d", self.hvd.rank(), self.hvd.size())
 
     @property
+    @override
     def rank(self) -> int:
         return self.hvd.rank()
 
     @property
+    @override
     def world_size(self) -> int:
         return self.hvd.size()
 
-    @property
-    def local_rank(self) -> int:
-        return self.hvd.local_rank()
-
-    @property
-    def local_size(self) -> int:
-        return self.hvd.local_size()
-
-    @property
-    def node_rank(self) -> int:
-        return self.hvd.cross_rank()
+    local_rank = _hvd_query("local_rank", "This process's rank on its node.")
+    local_size = _hvd_query("local_size", "Processes on this node.")
+    node_rank = _hvd_query("cross_rank", "This node's rank among the nodes.")
 
     def _submit(self, handle: int, finish: Callable[[Any], Any]) -> Future:
-        return self._completer.submit(handle, finish)
+        hvd = self.hvd  # the completer must not hold the backend
+        return self._completer.submit(lambda: hvd.synchronize(handle), finish)
 
     def _op(self, op: str) -> Any:
         if op not in self._ops:
@@ -127,28 +106,69 @@ class HorovodBackend(Backend):
             )
         return self._ops[op]
 
+    def _in_place(self, tensor: Tensor, start: Callable[[Tensor], int]) -> Future:
+        """Run Horovod's in-place op ``start`` on ``tensor`` (through a contiguous copy if need be)."""
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        handle = start(work)
+        return self._submit(handle, lambda _: tensor if work is tensor else tensor.copy_(work))
+
+    @override
     def all_reduce(self, tensor: Tensor, op: str) -> Future:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        handle = self.hvd.allreduce_async_(work, op=self._op(op))
-        return self._submit(handle, lambda _: tensor if work is tensor else tensor.copy_(work))
+        """Horovod's all-reduce. Horovod 0.28 cannot reduce bfloat16: up to
+        ``BF16_GATHER_MAX_WORLD`` ranks a bf16 tensor is all-gathered as int16 words and reduced in
+        float32 in rank order (every rank gets the same result); beyond, it is reduced as float32.
+        Either way the result is cast back into ``tensor``."""
+        hvd_op = self._op(op)
+        if tensor.dtype != torch.bfloat16:
+            return self._in_place(tensor, lambda work: self.hvd.allreduce_async_(work, op=hvd_op))
+        w = self.world_size
+        if w > BF16_GATHER_MAX_WORLD:
+            wide = tensor.float().contiguous()
+            handle = self.hvd.allreduce_async_(wide, op=hvd_op)
+            return self._submit(handle, lambda _: tensor.copy_(wide))
+        shape = tensor.shape
 
+        def _reduce(words: Tensor) -> Tensor:
+            parts = words.view(torch.bfloat16).reshape(w, *shape).float()
+            if op in ("sum", "avg"):
+                total = parts.sum(0)
+                total = total / w if op == "avg" else total
+            else:
+                total = parts.amin(0) if op == "min" else parts.amax(0)
+            return tensor.copy_(total.to(torch.bfloat16))
+
+        return self._submit(self._gather(tensor.reshape(-1).contiguous().view(torch.int16)), _reduce)
+
+    @override
+    def all_reduce_bytes(self, nbytes: int, dtype: torch.dtype) -> int:
+        if dtype != torch.bfloat16:
+            return super().all_reduce_bytes(nbytes, dtype)
+        if self.world_size > BF16_GATHER_MAX_WORLD:
+            return ring_all_reduce_bytes(2 * nbytes, self.world_size)  # float32 on the wire
+        return (self.world_size - 1) * nbytes
+
+    @override
     def broadcast(self, tensor: Tensor, src: int) -> Future:
-        work = tensor if tensor.is_contiguous() else tensor.contiguous()
-        handle = self.hvd.broadcast_async_(work, root_rank=src)
-        return self._submit(handle, lambda _: tensor if work is tensor else tensor.copy_(work))
+        return self._in_place(tensor, lambda work: self.hvd.broadcast_async_(work, root_rank=src))
 
+    @override
     def broadcast_object(self, obj: Any, src: int) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=src)
 
+    def _gather(self, work: Tensor) -> int:
+        """Start Horovod's all-gather of a contiguous tensor (rank order along dim 0)."""
+        with torch.inference_mode(False):  # Horovod resizes its output in its own thread
+            return self.hvd.allgather_async(work)
+
+    @override
     def all_gather(self, tensor: Tensor) -> Future:
         """Equal shapes in, list in rank order out (``Communicator`` pads unequal first dims)."""
         shape = tensor.shape
-        work = tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous()
-        with torch.inference_mode(False):  # Horovod resizes its output in its own thread
-            handle = self.hvd.allgather_async(work)
         w = self.world_size
+        handle = self._gather(tensor.reshape(1) if tensor.dim() == 0 else tensor.contiguous())
         return self._submit(handle, lambda out: list(out.reshape(w, *shape).unbind(0)))
 
+    @override
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
         stacked = torch.stack([t.contiguous() for t in inputs])
         if op in ("sum", "avg"):
@@ -159,31 +179,29 @@ class HorovodBackend(Backend):
         handle = self.hvd.allreduce_async_(stacked, op=self._op(op))
         return self._submit(handle, lambda out: output.copy_(out[rank]))
 
+    @override
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
-        send = torch.cat([t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1) for t in inputs])
-        splits = torch.tensor([t.shape[0] if t.dim() else 1 for t in inputs], dtype=torch.int32)
-        recv_rows = [t.shape[0] if t.dim() else 1 for t in outputs]
+        splits = torch.tensor([rows(t) for t in inputs], dtype=torch.int32)
         with torch.inference_mode(False):  # output allocated and resized by Horovod's thread
-            handle = self.hvd.alltoall_async(send, splits=splits)
+            handle = self.hvd.alltoall_async(cat_rows(inputs), splits=splits)
+        # alltoall_async's result is (received, received splits)
+        return self._submit(
+            handle, lambda result: split_rows(result[0] if isinstance(result, tuple) else result, outputs)
+        )
 
-        def _split(result: Any) -> list[Tensor]:
-            received = result[0] if isinstance(result, tuple) else result
-            for out, part in zip(outputs, received.split(recv_rows), strict=True):
-                out.copy_(part.reshape(out.shape))
-            return outputs
-
-        return self._submit(handle, _split)
-
-    def send(self, tensor: Tensor, dst: int) -> Future:
+    @override
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
         raise NotImplementedError(
             "HorovodBackend has no point-to-point send; use TorchBackend (torch.distributed) for send/recv"
         )
 
-    def recv(self, tensor: Tensor, src: int) -> Future:
+    @override
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
         raise NotImplementedError(
             "HorovodBackend has no point-to-point recv; use TorchBackend (torch.distributed) for send/recv"
         )
 
+    @override
     def barrier(self) -> None:
         self.hvd.barrier()
 
@@ -215,7 +233,8 @@ class HorovodBackend(Backend):
                 f"Horovod's Adasum needs a power-of-two world size; got {size}; use {alternative}"
             )
 
-    def adasum(self, comm: Communicator, tensors: list[Tensor]) -> list[Tensor]:
+    @override
+    def native_adasum(self, comm: Communicator, tensors: list[Tensor]) -> Optional[list[Tensor]]:
         """Horovod's MPI Adasum on each tensor, in place (bf16 goes through float32).
 
         Bytes are counted by the VHDD model (2 N (W - 1) / W each way; the float64 norm sums omitted).

@@ -6,8 +6,10 @@ from typing import Any
 
 from torch import Tensor
 from torch.futures import Future
+from typing_extensions import override
 
-from lightning_dist.collectives.backend import Backend, completed_future
+from lightning_dist.collectives.backend import Backend
+from lightning_dist.collectives.futures import completed_future
 
 
 class SingleProcessBackend(Backend):
@@ -16,38 +18,49 @@ class SingleProcessBackend(Backend):
     name = "single"
 
     @property
+    @override
     def rank(self) -> int:
         return 0
 
     @property
+    @override
     def world_size(self) -> int:
         return 1
 
+    @override
     def all_reduce(self, tensor: Tensor, op: str) -> Future:
         return completed_future(tensor)
 
+    @override
     def broadcast(self, tensor: Tensor, src: int) -> Future:
         return completed_future(tensor)
 
+    @override
     def all_gather(self, tensor: Tensor) -> Future:
         return completed_future([tensor.clone()])
 
+    @override
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
         output.copy_(inputs[0])
         return completed_future(output)
 
+    @override
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
         outputs[0].copy_(inputs[0])
         return completed_future(outputs)
 
-    def send(self, tensor: Tensor, dst: int) -> Future:
+    @override
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
         raise RuntimeError("send has no peer at world size 1")
 
-    def recv(self, tensor: Tensor, src: int) -> Future:
+    @override
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
         raise RuntimeError("recv has no peer at world size 1")
 
+    @override
     def barrier(self) -> None:
         return None
 
+    @override
     def broadcast_object(self, obj: Any, src: int) -> Any:
         return obj

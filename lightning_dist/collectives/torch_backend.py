@@ -2,19 +2,27 @@
 
 Calls go to the ``ProcessGroup`` object's methods, so a group made without ``init_process_group``
 (one per thread in tests) works the same as the default world group.
+
+Every operation returns the work's own future where torch gives one. Gloo gives none for send, recv
+and reduce_scatter, so reduce_scatter runs as an ``alltoall_base`` plus a local reduction, and
+send/recv are completed by one ``Completer`` thread per backend.
 """
 
 from __future__ import annotations
 
-import threading
+import logging
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
+from typing_extensions import override
 
-from lightning_dist.collectives.backend import Backend
+from lightning_dist.collectives.backend import Backend, cat_rows, rows, split_rows
+from lightning_dist.collectives.completer import Completer
+
+logger = logging.getLogger(__name__)
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
@@ -22,6 +30,20 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.Re
 def _first(fut: Future) -> Any:
     value = fut.value()
     return value[0] if isinstance(value, list) else value
+
+
+def _reduce_into(output: Tensor, parts: list[Tensor], op: str) -> Tensor:
+    """``output`` = ``parts[0]`` op ``parts[1]`` op ... in that (rank) order."""
+    output.copy_(parts[0].view_as(output))
+    for part in parts[1:]:
+        part = part.view_as(output)
+        if op == "sum":
+            output.add_(part)
+        elif op == "min":
+            torch.minimum(output, part, out=output)
+        else:
+            torch.maximum(output, part, out=output)
+    return output
 
 
 class TorchBackend(Backend):
@@ -39,18 +61,22 @@ class TorchBackend(Backend):
         assert group is not None
         self.group: Any = group
         self._device_type = self._detect_device_type()
+        self._completer = Completer(f"torch-p2p-rank{group.rank()}")
+        logger.debug("TorchBackend: rank %d of %d on %s", group.rank(), group.size(), self._device_type)
 
     @property
+    @override
     def rank(self) -> int:
         return self.group.rank()
 
     @property
+    @override
     def world_size(self) -> int:
         return self.group.size()
 
     @property
+    @override
     def device_type(self) -> str:
-        """``cuda`` when the group runs NCCL, else ``cpu``: where control tensors must live."""
         return self._device_type
 
     def _detect_device_type(self) -> str:
@@ -61,11 +87,7 @@ class TorchBackend(Backend):
             name = str(self.group.name()) if hasattr(self.group, "name") else "gloo"
         return "cuda" if "nccl" in name.lower() else "cpu"
 
-    def _to_device(self, tensor: Tensor) -> Tensor:
-        if self.device_type == "cuda":
-            return tensor.to(torch.device("cuda", torch.cuda.current_device()))
-        return tensor
-
+    @override
     def all_reduce(self, tensor: Tensor, op: str) -> Future:
         opts = dist.AllreduceOptions()
         if op == "avg":
@@ -76,72 +98,67 @@ class TorchBackend(Backend):
             opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
         return self.group.allreduce([tensor], opts).get_future().then(_first)
 
+    @override
     def broadcast(self, tensor: Tensor, src: int) -> Future:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
         return self.group.broadcast([tensor], opts).get_future().then(_first)
 
+    @override
     def all_gather(self, tensor: Tensor) -> Future:
         outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]]
         work = self.group.allgather(outputs, [tensor])
         return work.get_future().then(lambda _: outputs[0])
 
+    @override
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
-        opts = dist.ReduceScatterOptions()
         if op == "avg":
+            # Divide first, then sum, as in all_reduce.
             inputs = [t / self.world_size for t in inputs]
-            opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
-        else:
+            op = "sum"
+        if self.device_type == "cuda":
+            opts = dist.ReduceScatterOptions()
             opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
-        work = self.group.reduce_scatter([output], [inputs], opts)
-        return _work_future(work, output)
+            work = self.group.reduce_scatter([output], [inputs], opts)
+            return work.get_future().then(lambda _: output)
+        # Gloo: chunk j goes to rank j, which reduces the W chunks it receives in rank order; this
+        # sends the (W - 1) N / W bytes of a ring reduce-scatter.
+        w = self.world_size  # callbacks must not hold the backend (see Communicator._timed)
+        send = torch.cat([t.reshape(-1) for t in inputs])
+        recv = send.new_empty(w * output.numel())
+        work = self.group.alltoall_base(
+            recv, send, [output.numel()] * w, [t.numel() for t in inputs], dist.AllToAllOptions()
+        )
+        return work.get_future().then(lambda _: _reduce_into(output, list(recv.chunk(w)), op))
 
+    @override
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
         # alltoall_base with split sizes handles unequal first dimensions on Gloo and NCCL alike.
-        send = torch.cat([t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1) for t in inputs])
-        recv_rows = [t.shape[0] if t.dim() else 1 for t in outputs]
-        recv = torch.empty((sum(recv_rows), *send.shape[1:]), dtype=send.dtype, device=send.device)
-        send_rows = [t.shape[0] if t.dim() else 1 for t in inputs]
-        work = self.group.alltoall_base(recv, send, recv_rows, send_rows, dist.AllToAllOptions())
+        send = cat_rows(inputs)
+        recv = send.new_empty((sum(rows(t) for t in outputs), send.shape[1]))
+        work = self.group.alltoall_base(
+            recv, send, [rows(t) for t in outputs], [rows(t) for t in inputs], dist.AllToAllOptions()
+        )
+        return work.get_future().then(lambda _: split_rows(recv, outputs))
 
-        def _split(_: Any) -> list[Tensor]:
-            for out, part in zip(outputs, recv.split(recv_rows)):
-                out.copy_(part.reshape(out.shape))
-            return outputs
+    @override
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
+        return self._p2p_future(self.group.send([tensor], dst, tag), tensor)
 
-        return _work_future(work, None).then(_split)
+    @override
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
+        return self._p2p_future(self.group.recv([tensor], src, tag), tensor)
 
-    def send(self, tensor: Tensor, dst: int) -> Future:
-        work = self.group.send([tensor], dst, 0)
-        return _work_future(work, tensor)
+    def _p2p_future(self, work: Any, tensor: Tensor) -> Future:
+        if self.device_type == "cuda":
+            return work.get_future().then(lambda _: tensor)
+        return self._completer.submit(work.wait, lambda _: tensor)
 
-    def recv(self, tensor: Tensor, src: int) -> Future:
-        work = self.group.recv([tensor], src, 0)
-        return _work_future(work, tensor)
-
+    @override
     def barrier(self) -> None:
         if self.device_type == "cuda":
             # A tiny all-reduce instead of ProcessGroup.barrier, which guesses a device for NCCL.
-            self.all_reduce(self._to_device(torch.zeros(1)), "sum").wait()
+            self.all_reduce(self.to_transport_device(torch.zeros(1)), "sum").wait()
         else:
             self.group.barrier().wait()
-
-
-def _work_future(work: Any, value: Any) -> Future:
-    """A future for ``work``; Gloo gives some ops (reduce_scatter, send/recv) no future of their
-    own, so a helper thread waits on those and completes one."""
-    try:
-        return work.get_future().then(lambda _: value)
-    except RuntimeError:
-        fut: Future = Future()
-
-        def _wait() -> None:
-            try:
-                work.wait()
-                fut.set_result(value)
-            except Exception as exc:  # noqa: BLE001  (delivered through the future)
-                fut.set_exception(exc)
-
-        threading.Thread(target=_wait, daemon=True).start()
-        return fut

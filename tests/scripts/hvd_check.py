@@ -1,9 +1,11 @@
 """Run under ``mpirun -np N``: compares lightning_dist's Adasum (over a Gloo group in the same
 processes) with Horovod's MPI Adasum on the same random per-rank tensors, and checks the
-HorovodBackend collectives against expected values. Each rank prints one ``RESULT {json}`` line.
+HorovodBackend collectives against expected values. Each rank writes ``$HVD_CHECK_OUT/rank<r>.json``.
 
-    mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \\
-        -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29600 python tests/scripts/hvd_check.py
+    HVD_CHECK_OUT=/tmp mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \\
+        -x HVD_CHECK_OUT python tests/scripts/hvd_check.py
+
+The Gloo group meets at a TCPStore that rank 0 opens on a port the OS picks; Horovod broadcasts it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dist.collectives import Communicator, TorchBackend
+from lightning_dist.collectives import horovod_backend as hvd_backend
 from lightning_dist.collectives.adasum import adasum_reference
 from lightning_dist.collectives.horovod_backend import HorovodBackend, import_horovod
 
@@ -81,6 +84,32 @@ def check_backend(rank: int, size: int) -> dict[str, bool]:
         comm.all_reduce_async(base[rank].clone(), "sum").wait(), stacked.sum(0)
     )
 
+    def reduce_bf16(op: str, gather_max_world: int) -> bool:
+        """bf16 (which Horovod cannot reduce): exact float32 reduction in rank order, in place,
+        counted as the gather's (W - 1) N bytes, or as a float32 ring beyond the gather limit."""
+        limit = hvd_backend.BF16_GATHER_MAX_WORLD
+        hvd_backend.BF16_GATHER_MAX_WORLD = gather_max_world
+        try:
+            words = [(base[r] / 7).bfloat16() for r in range(size)]
+            wide = torch.stack(words).float()
+            total = {"sum": wide.sum(0), "avg": wide.sum(0) / size, "max": wide.amax(0)}[op]
+            t = words[rank].clone()
+            before = comm.stats.snapshot().get("all_reduce.bytes_sent", 0)
+            out = comm.all_reduce(t, op)
+            sent = comm.stats.snapshot()["all_reduce.bytes_sent"] - before
+        finally:
+            hvd_backend.BF16_GATHER_MAX_WORLD = limit
+        n = t.numel() * 2
+        if size <= gather_max_world:
+            return out is t and torch.equal(t, total.bfloat16()) and sent == (size - 1) * n
+        ring = 2 * (size - 1) * (2 * n) // size
+        return out is t and torch.allclose(t.float(), total, rtol=1e-2) and sent == ring
+
+    checks["all_reduce_bf16_sum"] = lambda: reduce_bf16("sum", 4)
+    checks["all_reduce_bf16_avg"] = lambda: reduce_bf16("avg", 4)
+    checks["all_reduce_bf16_max"] = lambda: reduce_bf16("max", 4)
+    checks["all_reduce_bf16_as_fp32"] = lambda: reduce_bf16("avg", 1)
+
     def broadcast() -> bool:
         t = base[rank].clone()
         comm.broadcast(t, src=size - 1)
@@ -100,6 +129,18 @@ def check_backend(rank: int, size: int) -> dict[str, bool]:
         return all(torch.equal(g, torch.full((j + 1, 2), float(j))) for j, g in enumerate(got))
 
     checks["all_gather_unequal"] = gather_unequal
+
+    def gather_then_reduce() -> bool:
+        """An unequal gather's data exchange is posted from a callback; a call right after it
+        must still be posted after it on every rank."""
+        gathered = comm.all_gather_async(torch.full((rank + 1, 2), float(rank)))
+        reduced = comm.all_reduce_async(torch.ones(3), "sum")
+        got = gathered.wait()
+        return torch.equal(reduced.wait(), torch.full((3,), float(size))) and all(
+            torch.equal(g, torch.full((j + 1, 2), float(j))) for j, g in enumerate(got)
+        )
+
+    checks["all_gather_then_all_reduce"] = gather_then_reduce
     checks["all_gather_same_shape"] = lambda: all(
         torch.equal(g, base[j]) for j, g in enumerate(comm.all_gather(base[rank], same_shape=True))
     )
@@ -154,13 +195,14 @@ def main() -> None:
     hvd = import_horovod()
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=60),
-    )
+    timeout = timedelta(seconds=60)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        hvd.broadcast_object(store.port, root_rank=0, name="store_port")
+    else:
+        port = hvd.broadcast_object(None, root_rank=0, name="store_port")
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     try:
         result = {"rank": rank, "size": size, "adasum": check_adasum(hvd, rank, size)}
         result["backend"] = check_backend(rank, size)

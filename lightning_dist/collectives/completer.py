@@ -1,0 +1,62 @@
+"""One helper thread that waits on blocking handles in submission order and completes futures.
+
+For transport operations that give no future of their own (Gloo's send/recv, Horovod's handles).
+The transport has already posted the operation when it is submitted, so waiting in FIFO order
+cannot deadlock. The thread exits after ``IDLE_S`` seconds without work and is restarted on demand,
+so a backend that is no longer used leaves no thread behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Optional
+
+from torch.futures import Future
+
+logger = logging.getLogger(__name__)
+
+IDLE_S = 5.0
+"""Seconds without work after which the thread exits."""
+
+
+class Completer:
+    """Completes each submitted future with ``finish(wait())``, one submission after another."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def submit(self, wait: Callable[[], Any], finish: Callable[[Any], Any]) -> Future:
+        """A future for ``finish(wait())``; an exception in either ends up in the future."""
+        fut: Future = Future()
+        with self._lock:
+            self._pending.put((wait, finish, fut))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+                logger.debug("%s: thread started", self.name)
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                wait, finish, fut = self._pending.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._pending.empty():  # submit() puts under the lock, so nothing is missed
+                        self._thread = None
+                        logger.debug("%s: idle, thread exits", self.name)
+                        return
+                continue
+            try:
+                result = finish(wait())
+            except BaseException as exc:  # noqa: BLE001  (delivered through the future)
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+            del wait, finish, fut  # hold nothing (a work, a tensor) while idle
