@@ -66,6 +66,25 @@ class Backend(ABC):
     def world_size(self) -> int: ...
 
     @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (default: its global rank, as if one node)."""
+        return self.rank
+
+    @property
+    def local_size(self) -> int:
+        """Processes on this node (default: all of them, as if one node)."""
+        return self.world_size
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank among the nodes (default: 0)."""
+        return 0
+
+    def check_all_reduce(self, op: str, device_type: str) -> None:
+        """Raise (the same error on every rank) when this job cannot all-reduce with ``op`` on
+        ``device_type`` tensors; called before training starts. The default accepts every op."""
+
+    @property
     def device_type(self) -> str:
         """Device type of the tensors this transport moves (``cuda`` for NCCL, else ``cpu``)."""
         return "cpu"

@@ -8,9 +8,11 @@ so a backend that is no longer used leaves no thread behind.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -18,8 +20,19 @@ from torch.futures import Future
 
 logger = logging.getLogger(__name__)
 
-IDLE_S = 5.0
+IDLE_S = 1.0
 """Seconds without work after which the thread exits."""
+
+_STOP = object()
+_LIVE: weakref.WeakSet[Completer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop idle completer threads before the interpreter finalises: a daemon thread woken during
+    finalisation is ended from inside native code, which can abort the process."""
+    for completer in list(_LIVE):
+        completer.stop()
 
 
 class Completer:
@@ -30,6 +43,16 @@ class Completer:
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread once the work already submitted is done (a later ``submit`` restarts it)."""
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return
+            self._pending.put(_STOP)
+        thread.join(timeout)
 
     def submit(self, wait: Callable[[], Any], finish: Callable[[Any], Any]) -> Future:
         """A future for ``finish(wait())``; an exception in either ends up in the future."""
@@ -45,14 +68,17 @@ class Completer:
     def _loop(self) -> None:
         while True:
             try:
-                wait, finish, fut = self._pending.get(timeout=IDLE_S)
+                item = self._pending.get(timeout=IDLE_S)
             except queue.Empty:
+                item = None
+            if item is None or item is _STOP:
                 with self._lock:
                     if self._pending.empty():  # submit() puts under the lock, so nothing is missed
                         self._thread = None
-                        logger.debug("%s: idle, thread exits", self.name)
+                        logger.debug("%s: %s, thread exits", self.name, "idle" if item is None else "stopped")
                         return
                 continue
+            wait, finish, fut = item
             try:
                 result = finish(wait())
             except BaseException as exc:  # noqa: BLE001  (delivered through the future)

@@ -206,6 +206,11 @@ class HorovodBackend(Backend):
         self.hvd.barrier()
 
     # -- Adasum -------------------------------------------------------------------------------------
+    @override
+    def check_all_reduce(self, op: str, device_type: str) -> None:
+        if op == "adasum":
+            self.check_adasum(device_type)
+
     def check_adasum(self, device: str = "cpu") -> None:
         """Raise, on every rank, if Horovod cannot run Adasum in this job (call before training)."""
         hvd = self.hvd

@@ -120,8 +120,8 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         return self.backend.world_size
 
     @property
-    @override
     def is_distributed(self) -> bool:
+        """Read by Lightning's connector for strategies outside Lightning (sampler, sync_dist)."""
         return True
 
     @property
