@@ -83,6 +83,7 @@ class Backend(ABC):
     def check_all_reduce(self, op: str, device_type: str) -> None:
         """Raise (the same error on every rank) when this job cannot all-reduce with ``op`` on
         ``device_type`` tensors; called before training starts. The default accepts every op."""
+        return None
 
     @property
     def device_type(self) -> str:
