@@ -40,26 +40,18 @@ class HorovodAdasum(Horovod):
         self,
         op: str = "adasum",
         compression: Union[None, str, Compressor] = None,
-        lr_scale: Union[str, float] = "auto",
-        accelerator: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None,
-        **unknown: Any,
+        *args: Any,
+        **kwargs: Any,
     ) -> None:
+        """Arguments as ``Horovod``'s (``lr_scale``, ``accelerator`` ...); ``op`` must stay "adasum"
+        and ``compression`` None: Adasum combines full-precision updates."""
         if op != "adasum":
             raise ValueError(f"op={op!r}: HorovodAdasum always uses 'adasum'; use Horovod(op=...) instead")
         if compression not in (None, "none"):
             raise ValueError(
                 f"compression={compression!r} is not supported with op='adasum'; accepted there: None, 'none'"
             )
-        super().__init__(
-            op="adasum",
-            lr_scale=lr_scale,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            **unknown,
-        )
+        super().__init__("adasum", None, *args, **kwargs)
         self._start: dict[int, list[Tensor]] = {}
         """Per optimizer: the parameters as the last Adasum step left them (each update's origin)."""
 
