@@ -16,7 +16,6 @@ import argparse
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,13 +53,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     if mpirun is None:
         print("bench_adasum: mpirun not found (Debian: apt-get install -y openmpi-bin libopenmpi-dev)")
         return 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     root = ["--allow-run-as-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []
     cmd = [
         "mpirun", *root, "--oversubscribe", "--bind-to", "none", "-np", str(args.np),
-        "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", "-x", "OMP_NUM_THREADS=1",
+        "-x", "OMP_NUM_THREADS=1",
         "-x", "PYTHONPATH", sys.executable, str(Path(__file__).resolve()), *argv,
     ]  # fmt: skip
     env = dict(
@@ -78,18 +74,13 @@ def worker(args: argparse.Namespace) -> None:
 
     from lightning_dist.collectives import Communicator, TorchBackend
     from lightning_dist.collectives.horovod_backend import import_horovod
+    from lightning_dist.launch.horovod_run import init_gloo_beside_horovod
 
     hvd = import_horovod()
     hvd.init()
     torch.set_num_threads(1)
     rank, size = hvd.rank(), hvd.size()
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=120),
-    )
+    init_gloo_beside_horovod(hvd, timeout=timedelta(seconds=120))
     comm = Communicator(TorchBackend())
 
     def ours(ts: list[torch.Tensor]) -> None:

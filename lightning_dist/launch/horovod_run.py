@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_dist.collectives.horovod_backend import import_horovod
@@ -43,3 +44,21 @@ def run_horovod(
         use_gloo=not use_mpi,
         mpi_args=mpi_args,
     )
+
+
+def init_gloo_beside_horovod(hvd: Any, timeout: timedelta = timedelta(seconds=60)) -> None:
+    """Start torch.distributed's default Gloo group over Horovod's ranks (to run both side by side).
+
+    Rank 0 opens the rendezvous store on a port the OS picks (port 0, kept open) and Horovod
+    broadcasts the port, so no port is probed, released and hoped to be still free.
+    """
+    import torch.distributed as dist
+
+    rank, size = hvd.rank(), hvd.size()
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+        hvd.broadcast_object(store.port, root_rank=0, name="gloo_store_port")
+    else:
+        port = hvd.broadcast_object(None, root_rank=0, name="gloo_store_port")
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)

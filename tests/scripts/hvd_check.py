@@ -5,7 +5,7 @@ HorovodBackend collectives against expected values. Each rank writes ``$HVD_CHEC
     HVD_CHECK_OUT=/tmp mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 \\
         -x HVD_CHECK_OUT python tests/scripts/hvd_check.py
 
-The Gloo group meets at a TCPStore that rank 0 opens on a port the OS picks; Horovod broadcasts it.
+The Gloo group meets at a store on a port the OS picks (``init_gloo_beside_horovod``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,6 +23,7 @@ from lightning_dist.collectives import Communicator, TorchBackend
 from lightning_dist.collectives import horovod_backend as hvd_backend
 from lightning_dist.collectives.adasum import adasum_reference
 from lightning_dist.collectives.horovod_backend import HorovodBackend, import_horovod
+from lightning_dist.launch.horovod_run import init_gloo_beside_horovod
 
 SHAPES = [(1000,), (37, 11), (3, 4, 5), (1,), (257,)]
 
@@ -195,14 +195,7 @@ def main() -> None:
     hvd = import_horovod()
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    timeout = timedelta(seconds=60)
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
-        hvd.broadcast_object(store.port, root_rank=0, name="store_port")
-    else:
-        port = hvd.broadcast_object(None, root_rank=0, name="store_port")
-        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    init_gloo_beside_horovod(hvd)
     try:
         result = {"rank": rank, "size": size, "adasum": check_adasum(hvd, rank, size)}
         result["backend"] = check_backend(rank, size)
