@@ -54,7 +54,7 @@ class TorchHookDDP(DDP):
 
     def __init__(self, which: str) -> None:
         self.which = which
-        # torch's PowerSGD hook fails on Gloo with more than one bucket (see FACTS.md): one bucket
+        # torch's PowerSGD hook fails on Gloo with more than one bucket (seen with torch 2.13): one bucket
         super().__init__(bucket_cap_mb=1000 if which == "torch_powersgd" else None)
 
     @override

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gpu_overhead.py [--steps 30] [--warmup 10] [--rows fp16,int8]
 
-The FACTS.md anchor setup: a GPT-2-small-sized causal transformer (12 layers, d=768, 12 heads,
+The anchor setup: a GPT-2-small-sized causal transformer (12 layers, d=768, 12 heads,
 vocab 50257, tied embeddings, 124M parameters), batch 16 x 512 tokens of random ids, bf16-mixed,
 fused AdamW, Lightning ``Trainer(devices=1)`` with a DDP strategy at world size 1 over NCCL, median
 step time of ``--steps`` steps after ``--warmup`` warm-up steps. Each row runs in a fresh process.
@@ -10,8 +10,8 @@ step time of ``--steps`` steps after ``--warmup`` warm-up steps. Each row runs i
 At world size 1 nothing crosses a wire: ``lightning_dist.collectives`` short-cuts every collective,
 so a Compressed row costs exactly its compressor's compute (compress, decompress, error feedback),
 while torch's hooks still make their NCCL calls. Every row uses fused AdamW (DeMo is meant for SGD;
-the optimizer does not change the hook's cost). Targets from issue 4: fp16 <= +3%, int8 <= +5%,
-PowerSGD rank 4 <= +15% over no hook (torch's PowerSGD hook: about +120% in FACTS.md).
+the optimizer does not change the hook's cost). Targets: fp16 <= +3%, int8 <= +5%, PowerSGD rank 4
+<= +15% over no hook (torch's PowerSGD hook measured about +120% on one H200 in this setup).
 
 Without CUDA it exits with a message; ``--smoke`` runs a tiny model on CPU (Gloo) to check the
 script itself, which measures nothing.

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import pytest
+import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist import DDP, Compressed, Horovod, HorovodAdasum
@@ -127,3 +128,12 @@ def test_registered_horovod_names() -> None:
     assert StrategyRegistry["horovod_adasum"]["strategy"] is HorovodAdasum
     assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}
     assert StrategyRegistry["horovod_bf16"]["init_params"] == {"compression": "bf16"}
+
+
+@pytest.mark.parametrize("method", ["reduce", "all_gather"])
+def test_collectives_refuse_a_process_group_they_cannot_honour(method: str) -> None:
+    for strategy in (DDP(), Horovod()):
+        with pytest.raises(
+            ValueError, match=rf"{method}\(group=.*\) is not supported: .*accepted: group=None"
+        ):
+            getattr(strategy, method)(torch.ones(2), group=object())
