@@ -1,6 +1,6 @@
 """Per-communicator counters of bytes moved and time spent in collectives.
 
-Byte counts follow a stated wire model per algorithm (see ``wire_bytes``), so they are exact and
+Byte counts follow a stated wire model per algorithm (``lightning_dist.compression.wire``), so they are exact and
 comparable across backends rather than sampled from a network interface.
 """
 
@@ -9,6 +9,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from lightning_dist.compression.wire import ring_all_reduce_bytes
+
+__all__ = ["CommStats", "OpStats", "ring_all_reduce_bytes"]
 
 
 @dataclass
@@ -74,10 +78,3 @@ class CommStats:
     def reset(self) -> None:
         with self._lock:
             self.per_op.clear()
-
-
-def ring_all_reduce_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends (and receives) in a ring all-reduce: reduce-scatter then all-gather."""
-    if world_size <= 1:
-        return 0
-    return 2 * (world_size - 1) * nbytes // world_size
