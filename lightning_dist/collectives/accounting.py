@@ -1,7 +1,7 @@
 """Per-communicator counters of bytes moved and time spent in collectives.
 
-Byte counts follow a stated wire model per algorithm (``lightning_dist.compression.wire``), so they are exact and
-comparable across backends rather than sampled from a network interface.
+Byte counts follow a stated wire model per algorithm (``lightning_dist.compression.wire``), so they
+are exact and comparable across backends rather than sampled from a network interface.
 """
 
 from __future__ import annotations
