@@ -17,7 +17,9 @@ from typing_extensions import override
 from lightning_dist import collectives
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
+from lightning_dist.strategies.nonfinite import NonFiniteGuard
 from lightning_dist.strategies.options import (
+    check_bool,
     check_choice,
     check_positive,
     reduce_op_name,
@@ -45,6 +47,8 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             ``"popen"`` (the script re-executed per rank, like Lightning's ``"ddp"``) otherwise.
         bucket_cap_mb, static_graph, find_unused_parameters, gradient_as_bucket_view: passed to
             ``DistributedDataParallel``.
+        skip_nonfinite: when any rank's gradients hold NaN/Inf, skip that optimizer step on every
+            rank (one flag all-reduced per step; logged as ``skipped_nonfinite_steps``).
     """
 
     strategy_name = "ld_ddp"
@@ -64,6 +68,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = False,
+        skip_nonfinite: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
@@ -91,8 +96,10 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             start_method=start_method,
             **ddp_kwargs,
         )
+        check_bool("skip_nonfinite", skip_nonfinite)
         self.reduce_op = reduce_op
         self.hook_state = self._make_hook_state()
+        self.nonfinite = NonFiniteGuard() if skip_nonfinite else None
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
@@ -134,6 +141,20 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             self._comm_hook().__name__,
             self.root_device,
         )
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        guard = self.nonfinite
+        if guard is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        module = self.lightning_module
+        step = module.trainer.global_step if module is not None and module._trainer is not None else -1
+        result = super().optimizer_step(optimizer, guard.wrap(optimizer, closure, step), model, **kwargs)
+        if module is not None and module._current_fx_name is not None:
+            module.log("skipped_nonfinite_steps", float(guard.skipped), on_step=True, on_epoch=False)
+        return result
 
     @override
     def teardown(self) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from lightning_dist.checks import check_choice, check_positive, reject_unknown_options
+from lightning_dist.checks import check_bool, check_choice, check_positive, reject_unknown_options
 
-__all__ = ["check_choice", "check_positive", "reduce_op_name", "reject_unknown_options"]
+__all__ = ["check_bool", "check_choice", "check_positive", "reduce_op_name", "reject_unknown_options"]
 
 
 def reduce_op_name(name: str, op: Any, accepted: Iterable[str]) -> str:
