@@ -175,25 +175,31 @@ class Compressed(DDP):
         layout = state.layout or state.planned or {}
         return {"state": _to_cpu(self.compressor.state_dict()), "layout": dict(layout)}
 
+    def gather_per_rank(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank (called on all ranks)."""
+        return [
+            collectives.broadcast_object(obj if self.global_rank == r else None, r)
+            for r in range(self.world_size)
+        ]
+
+    def compressor_checkpoint(self, ranks: Any) -> dict[str, Any]:
+        """The checkpoint entry for every rank's ``compressor_checkpoint_state`` (in rank order)."""
+        return {
+            CHECKPOINT_KEY: {
+                "compressor": self.compressor.name,
+                "world_size": self.world_size,
+                "ranks": list(ranks),
+            }
+        }
+
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         """Gather every rank's compressor state into the checkpoint (called on all ranks)."""
         if "optimizer_states" in checkpoint:
-            own = self.compressor_checkpoint_state()
-            ranks = [
-                collectives.broadcast_object(own if self.global_rank == r else None, r)
-                for r in range(self.world_size)
-            ]
-            checkpoint = {
-                **checkpoint,
-                CHECKPOINT_KEY: {
-                    "compressor": self.compressor.name,
-                    "world_size": self.world_size,
-                    "ranks": ranks,
-                },
-            }
+            ranks = self.gather_per_rank(self.compressor_checkpoint_state())
+            checkpoint = {**checkpoint, **self.compressor_checkpoint(ranks)}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

@@ -9,7 +9,9 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -121,7 +123,14 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        # Lightning's DDPStrategy.setup_distributed, with ``_process_group_kwargs`` as an extension point
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout, **self._process_group_kwargs()}
+        kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         collectives.use(collectives.Communicator(collectives.TorchBackend()))
         logger.debug(
             "%s: process group ready (rank %d of %d, backend %s); collectives installed",
@@ -130,6 +139,10 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             self.world_size,
             self._get_process_group_backend(),
         )
+
+    def _process_group_kwargs(self) -> dict[str, Any]:
+        """Extra ``init_process_group`` arguments (a subclass may pass a ``store``)."""
+        return {}
 
     @override
     def _register_ddp_hooks(self) -> None:

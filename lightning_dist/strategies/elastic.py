@@ -1,0 +1,263 @@
+"""``Elastic``: data-parallel training under torchrun's elastic agent that resumes from atomic commits.
+
+    torchrun --nnodes=1 --nproc-per-node=2 --max-restarts=3 --rdzv-backend=c10d \\
+        --rdzv-endpoint=localhost:0 train.py          # train.py: L.Trainer(strategy=Elastic(commit_every=50))
+
+The agent restarts every worker when one fails; this strategy adds the state the agent lacks. Every
+``commit_every`` optimizer steps rank 0 writes a commit (``lightning_dist.elastic.CommitStore``:
+temporary name, fsync, rename, checksum, the last ``keep`` kept) holding Lightning's checkpoint (model,
+optimizers, schedulers, precision plugin, loop counters), every rank's compressor and RNG state, and
+the data position. A (re)started run resumes from the newest valid commit without ``ckpt_path``.
+The training data is read through an ``ElasticSampler``: every sample once per epoch, and step s's
+global batch the same samples on every world size. Gradients reduce as ``Compressed`` does
+(``compression=None`` is bitwise ``DDP()``; ``reduce_op="adasum"`` works at any world size).
+
+Not done yet: a world size that changes between restarts (the loop counters of a commit are only
+valid for the accumulation they were taken with; refused with an error), ``run_elastic`` for
+notebooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.trainer.states import RunningStage
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_dist import collectives
+from lightning_dist.checks import check_choice, check_int
+from lightning_dist.compression import Compressor
+from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
+from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticSampler
+from lightning_dist.launch.torchelastic import attempt_store
+from lightning_dist.strategies.compressed import Compressed
+
+logger = logging.getLogger(__name__)
+
+ELASTIC_KEY = "lightning_dist.elastic"
+"""The commit's entry for what Lightning's checkpoint lacks: data position, plan, per-rank RNG."""
+
+
+class _ElasticLoader(DataLoader):
+    """The training DataLoader on an ``ElasticSampler``. ``len`` is the whole epoch's micro-batch
+    count (Lightning adds the resumed count itself), and its state is the sampler's position."""
+
+    def __len__(self) -> int:
+        sampler: ElasticSampler = self.batch_sampler  # type: ignore[assignment]
+        return sampler.end_step * sampler.plan.accumulate
+
+    def state_dict(self) -> dict[str, int]:
+        sampler: ElasticSampler = self.batch_sampler  # type: ignore[assignment]
+        return sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        sampler: ElasticSampler = self.batch_sampler  # type: ignore[assignment]
+        sampler.load_state_dict(state)
+
+
+class _CommitCallback(L.Callback):
+    """Commits after every ``commit_every``-th optimizer step (at ``on_train_batch_end``, where
+    ``global_step`` already counts the step whose weights are saved)."""
+
+    def __init__(self, strategy: Elastic) -> None:
+        self.strategy = strategy
+        self.last_step = -1
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step != self.last_step and step % self.strategy.commit_every == 0:
+            self.strategy.commit(trainer)
+        self.last_step = step
+
+
+class Elastic(Compressed):
+    """Elastic data-parallel training with commits (see the module docstring).
+
+    Args:
+        commit_every: optimizer steps between commits; a restart redoes at most this many.
+        keep: commits kept on disk (older ones are deleted after each commit).
+        dirpath: where commits go; default ``<Trainer default_root_dir>/elastic_commits``. All ranks
+            must see it (a shared filesystem across nodes).
+        reduce_op: ``"avg"`` or ``"adasum"``.
+        compression: None (no compression: bitwise ``DDP()``), a compressor name or a ``Compressor``.
+        seed: seed of the per-epoch sample order.
+        on_indivisible: what a world size that does not divide the global batch does; see
+            ``lightning_dist.elastic.sampler``.
+        **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
+    """
+
+    strategy_name = "elastic"
+
+    def __init__(
+        self,
+        commit_every: int = 50,
+        keep: int = 3,
+        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
+        reduce_op: str = "avg",
+        compression: Union[None, str, Compressor] = None,
+        seed: int = 0,
+        on_indivisible: str = "keep_per_rank",
+        **options: Any,
+    ) -> None:
+        check_int("commit_every", commit_every, 1)
+        check_int("keep", keep, 1)
+        check_int("seed", seed, 0)
+        check_choice("on_indivisible", on_indivisible, ON_INDIVISIBLE)
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise ValueError(f"dirpath={dirpath!r} is not supported; accepted: None, a str or a path")
+        options.setdefault("skip_nonfinite", True)
+        options.setdefault("log_stats", False)
+        super().__init__("none" if compression is None else compression, reduce_op=reduce_op, **options)
+        self.commit_every = commit_every
+        self.keep = keep
+        self.dirpath = dirpath
+        self.seed = seed
+        self.on_indivisible = on_indivisible
+        self.store: Optional[CommitStore] = None
+        self.plan: Optional[ElasticPlan] = None
+        self.sampler: Optional[ElasticSampler] = None
+        self.resumed_from: Optional[int] = None
+        """The step of the commit this run resumed from (None: a fresh run)."""
+        self._saved: dict[str, Any] = {}
+
+    @classmethod
+    @override
+    def _accepted_options(cls) -> list[str]:
+        own = ["commit_every", "keep", "dirpath", "compression", "seed", "on_indivisible"]
+        return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
+
+    # -- (re)start ---------------------------------------------------------------------------------
+    @override
+    def _process_group_kwargs(self) -> dict[str, Any]:
+        store = attempt_store(self._timeout or default_pg_timeout)
+        return {} if store is None else {"store": store}
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self._trainer()
+        trainer._accelerator_connector.use_distributed_sampler = False  # our sampler shards the data
+        dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "elastic_commits")
+        self.store = CommitStore(dirpath, keep=self.keep)
+        commit = self.store.load_latest()
+        step = None if commit is None else commit.step
+        steps = collectives.all_gather(torch.tensor([-1 if step is None else step]))
+        if len({int(s) for s in steps}) != 1:
+            raise RuntimeError(
+                f"Elastic: ranks found different newest commits in {dirpath} "
+                f"({[int(s) for s in steps]}); every rank must see the same directory"
+            )
+        if commit is None:
+            logger.debug("Elastic: no commit in %s; a fresh run", dirpath)
+            return
+        checkpoint = commit.state
+        self._saved = dict(checkpoint[ELASTIC_KEY])
+        if self._saved["world_size"] != self.world_size:
+            raise RuntimeError(
+                f"Elastic: the commit at step {commit.step} was taken at world size "
+                f"{self._saved['world_size']}, this run has {self.world_size}; resuming on another world "
+                "size is not supported yet"
+            )
+        loop = checkpoint["loops"]["fit_loop"]
+        loop["state_dict"]["combined_loader"] = [self._saved["sampler"]]
+        trainer._checkpoint_connector._loaded_checkpoint = checkpoint  # Lightning restores it next
+        self.resumed_from = commit.step
+        logger.debug("Elastic: resuming from the commit of step %d (%s)", commit.step, commit.path)
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        trainer.callbacks.append(_CommitCallback(self))  # type: ignore[attr-defined]
+        super().setup(trainer)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        rng = self._saved.get("rng")
+        if rng is not None:
+            restore_rng_state(rng[self.global_rank])
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._trainer()
+        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        if dataloader.batch_size is None:
+            raise ValueError(
+                "Elastic: the training DataLoader must be built with batch_size= (the per-rank micro-batch); "
+                "Elastic supplies the sampler itself"
+            )
+        global_batch = self._saved.get("global_batch") or (
+            self.world_size * dataloader.batch_size * trainer.accumulate_grad_batches
+        )
+        self.plan = ElasticPlan(
+            dataset_len=len(dataloader.dataset),  # type: ignore[arg-type]
+            global_batch=global_batch,
+            world_size=self.world_size,
+            micro_batch=dataloader.batch_size,
+            base_world_size=self._saved.get("base_world_size", self.world_size),
+            on_indivisible=self.on_indivisible,
+        )
+        self.sampler = ElasticSampler(
+            self.plan, self.global_rank, seed=self.seed, epoch=trainer.current_epoch
+        )
+        trainer.accumulate_grad_batches = self.plan.accumulate
+        logger.debug("Elastic: %s", self.plan)
+        return _ElasticLoader(
+            dataloader.dataset,
+            batch_sampler=self.sampler,
+            num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn,
+            pin_memory=dataloader.pin_memory,
+            worker_init_fn=dataloader.worker_init_fn,
+        )
+
+    def _trainer(self) -> L.Trainer:
+        module = self.lightning_module
+        assert module is not None, "Elastic: the strategy is not connected to a LightningModule yet"
+        return module.trainer
+
+    # -- commits -----------------------------------------------------------------------------------
+    def commit(self, trainer: L.Trainer) -> None:
+        """Write a commit of the state after the current optimizer step (called on every rank)."""
+        assert self.store is not None and self.sampler is not None and self.plan is not None
+        ranks = self.gather_per_rank(
+            {"rng": capture_rng_state(), "compressor": self.compressor_checkpoint_state()}
+        )
+        if self.global_rank != 0:
+            return
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+        checkpoint.pop("hyper_parameters", None)  # not needed to resume; may hold arbitrary objects
+        checkpoint.pop("hparams_name", None)
+        # micro-batches done in this epoch, counting those before a resume: Lightning restores them
+        steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready // self.plan.accumulate
+        sampler_state = self.sampler.state_dict(step=steps_done)
+        checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [sampler_state]
+        checkpoint.update(self.compressor_checkpoint(r["compressor"] for r in ranks))
+        checkpoint[ELASTIC_KEY] = {
+            "sampler": sampler_state,
+            "global_batch": self.plan.global_batch,
+            "base_world_size": self.plan.base_world_size or self.world_size,
+            "world_size": self.world_size,
+            "rng": [r["rng"] for r in ranks],
+        }
+        path = self.store.save(trainer.global_step, checkpoint)
+        logger.debug("Elastic: committed step %d to %s", trainer.global_step, path)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("elastic", cls, description="lightning_dist Elastic (commits, torchrun)")

@@ -1,0 +1,103 @@
+"""Fit the tiny workload with ``Elastic`` under torchrun; log every sample each rank trains on.
+
+torchrun --standalone --nproc-per-node=2 --max-restarts=1 tests/scripts/elastic_run.py --out DIR \\
+    [--kill-rank 1 --kill-step 7]
+
+Each attempt of each rank appends ``{"step", "samples"}`` lines to ``samples.rank<r>.attempt<a>.jsonl``
+(flushed per batch, so a killed worker's lines survive). With ``--kill-rank``/``--kill-step`` that
+rank SIGKILLs itself after that optimizer step on the first attempt only (on every attempt with
+``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``). Rank 0 saves the final
+weights and facts (``rank0.pt``, ``rank0.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+import lightning as L
+import torch
+from rank_io import save_fitted
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_dist import Elastic
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
+
+
+class Indexed(Dataset):
+    """The workload's windows, each with its index."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, int]:
+        x, y = self.inner[i]
+        return x, y, i
+
+
+class Logged(TinyCausalLM):
+    def __init__(self, out: str, kill_rank: int, kill_step: int) -> None:
+        super().__init__(WorkloadConfig.tiny(seed=7))
+        self.out, self.kill_rank, self.kill_step = out, kill_rank, kill_step
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Indexed(super().train_dataloader().dataset), batch_size=self.config.batch_size)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y, idx = batch
+        path = os.path.join(self.out, f"samples.rank{self.global_rank}.attempt{self.attempt}.jsonl")
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"step": self.trainer.global_step, "samples": idx.tolist()}) + "\n")
+        return super().training_step((x, y), batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = self.trainer.global_step
+        first_attempt = self.attempt == 0 or os.environ.get("ELASTIC_RUN_KILL_EVERY_ATTEMPT") == "1"
+        if first_attempt and self.global_rank == self.kill_rank and step == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--commit-every", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
+    p.add_argument("--compression", default=None)
+    p.add_argument("--reduce-op", default="avg")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    os.makedirs(a.out, exist_ok=True)
+    L.seed_everything(7, verbose=False)
+    model = Logged(a.out, a.kill_rank, a.kill_step)
+    strategy = Elastic(
+        commit_every=a.commit_every,
+        dirpath=os.path.join(a.out, "commits"),
+        compression=a.compression,
+        reduce_op=a.reduce_op,
+    )
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy=strategy,
+        max_steps=a.max_steps,
+        limit_val_batches=0,
+        deterministic=True,
+    )
+    trainer.fit(model)
+    if trainer.global_rank == 0:
+        save_fitted(a.out, trainer, model, resumed_from=strategy.resumed_from, attempt=model.attempt)
+
+
+if __name__ == "__main__":
+    main()
