@@ -44,16 +44,18 @@ def final_trajectory(out: Path) -> dict[int, list[int]]:
     return {step: sorted(samples) for step, samples in steps.items()}
 
 
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fault_free")
-    assert torchrun(out) == 0
-    return out
+REDUCTIONS = {
+    "average": [],
+    "powersgd": ["--compression", "powersgd"],  # per-rank residuals and Q come back from the commit
+    "adasum": ["--reduce-op", "adasum"],
+}
 
 
-def test_sigkill_mid_epoch_resumes_from_the_last_commit(tmp_path: Path, fault_free: Path) -> None:
-    out = tmp_path / "killed"
-    assert torchrun(out, "--kill-rank", "1", "--kill-step", "7") == 0
+@pytest.mark.parametrize("reduction", list(REDUCTIONS))
+def test_sigkill_mid_epoch_resumes_from_the_last_commit(tmp_path: Path, reduction: str) -> None:
+    fault_free, out = tmp_path / "fault_free", tmp_path / "killed"
+    assert torchrun(fault_free, *REDUCTIONS[reduction]) == 0
+    assert torchrun(out, *REDUCTIONS[reduction], "--kill-rank", "1", "--kill-step", "7") == 0
     facts = json.loads((out / "rank0.json").read_text())
     assert facts["attempt"] == 1 and facts["global_step"] == STEPS
     assert facts["resumed_from"] == 6, "the newest commit before the kill at step 7"

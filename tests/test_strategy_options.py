@@ -137,3 +137,32 @@ def test_collectives_refuse_a_process_group_they_cannot_honour(method: str) -> N
             ValueError, match=rf"{method}\(group=.*\) is not supported: .*accepted: group=None"
         ):
             getattr(strategy, method)(torch.ones(2), group=object())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"commit_every": 0}, r"commit_every=0 must be an integer >= 1"),
+        ({"keep": 0}, r"keep=0 must be an integer >= 1"),
+        ({"on_indivisible": "guess"}, r"on_indivisible='guess' is not supported; accepted: 'keep_per_rank'"),
+        ({"dirpath": 3}, r"dirpath=3 is not supported; accepted: None, a str or a path"),
+        ({"compression": "zip"}, r"compressor='zip' is not known; accepted: none, fp16"),
+        ({"reduce_op": "max"}, r"reduce_op='max' is not supported; accepted: 'avg', 'adasum'"),
+        ({"commit_evry": 5}, r"unknown option.*commit_evry"),
+    ],
+)
+def test_bad_elastic_arguments(kwargs: dict[str, Any], pattern: str) -> None:
+    from lightning_dist import Elastic
+
+    with pytest.raises(ValueError, match=pattern):
+        Elastic(**kwargs)
+
+
+def test_elastic_defaults_and_registered_name() -> None:
+    from lightning_dist import Elastic
+
+    strategy = Elastic()
+    assert strategy.compressor.name == "none" and strategy.nonfinite is not None, (
+        "skip_nonfinite on by default"
+    )
+    assert StrategyRegistry["elastic"]["strategy"] is Elastic
