@@ -28,9 +28,10 @@ _LIVE: weakref.WeakSet[Completer] = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_all() -> None:
-    """Stop idle completer threads before the interpreter finalises: a daemon thread woken during
-    finalisation is ended from inside native code, which can abort the process."""
+def stop_all() -> None:
+    """Stop every completer thread (they restart on demand). Strategies call it at teardown and it
+    runs at exit: a daemon thread woken during interpreter finalisation is ended from inside native
+    code, which aborts the process ("terminate called without an active exception")."""
     for completer in list(_LIVE):
         completer.stop()
 

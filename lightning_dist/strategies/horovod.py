@@ -22,6 +22,7 @@ from torch.futures import Future
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.collectives.completer import stop_all
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
@@ -297,6 +298,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self._pending.clear()
         super().teardown()
         collectives.use(None)
+        stop_all()  # no helper thread may outlive training (see collectives.completer)
 
     @classmethod
     @override
