@@ -18,6 +18,7 @@ from torch.futures import Future
 from lightning_dist.collectives.accounting import CommStats, OpStats, ring_all_reduce_bytes
 from lightning_dist.collectives.backend import REDUCE_OPS, Backend, check_reduce_op
 from lightning_dist.collectives.communicator import PROCESS_STATS, Communicator, TensorOrList
+from lightning_dist.collectives.completer import stop_all
 from lightning_dist.collectives.single import SingleProcessBackend
 from lightning_dist.collectives.torch_backend import TorchBackend
 
@@ -44,6 +45,7 @@ __all__ = [
     "reduce_scatter",
     "reduce_scatter_async",
     "reset_stats",
+    "shutdown",
     "ring_all_reduce_bytes",
     "stats",
     "use",
@@ -137,3 +139,18 @@ def all_to_all_async(inputs: Sequence[Tensor]) -> Future:
 
 def barrier() -> None:
     current().barrier()
+
+
+def shutdown() -> None:
+    """End of a distributed script: stop the helper threads and destroy the default process group.
+
+    A process group (or a helper thread waiting in native code) still alive when the interpreter
+    finalises can abort the process ("terminate called without an active exception") after all the
+    work is done; scripts call this last to exit cleanly.
+    """
+    global _default
+    use(None)
+    _default = None
+    stop_all()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from lightning_dist import collectives
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload.model import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
@@ -139,6 +140,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainRun, Optional[str
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     run, json_out = parse_args(argv)
     result = train(run)
+    collectives.shutdown()
     if result["rank"] == 0:
         print(json.dumps(result))
         if json_out:

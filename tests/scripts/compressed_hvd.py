@@ -13,6 +13,7 @@ import torch
 from rank_io import save_fitted
 
 import lightning_dist
+from lightning_dist import collectives
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.compression import make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
@@ -50,3 +51,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation

@@ -106,8 +106,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     for run in json.loads(a.runs):
         fit(run, a.out)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    collectives.shutdown()
 
 
 if __name__ == "__main__":

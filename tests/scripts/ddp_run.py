@@ -64,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation

@@ -24,7 +24,7 @@ from rank_io import save_fitted
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dist import Elastic
+from lightning_dist import Elastic, collectives
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -101,3 +101,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation

@@ -14,6 +14,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dist  # noqa: F401  (registers strategy names)
+from lightning_dist import collectives
 
 N, CLASSES = 40, 4
 
@@ -66,3 +67,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation

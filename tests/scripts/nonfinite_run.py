@@ -18,6 +18,7 @@ import torch
 from rank_io import save_fitted
 
 import lightning_dist
+from lightning_dist import collectives
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -70,3 +71,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
+from lightning_dist import collectives
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -67,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation
