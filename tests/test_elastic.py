@@ -77,3 +77,21 @@ def test_restarts_exhausted_exit_non_zero_in_bounded_time(tmp_path: Path) -> Non
     )  # fmt: skip
     assert code != 0
     assert time.monotonic() - start < 100
+
+
+def test_run_elastic_restarts_workers_without_torchrun(tmp_path: Path) -> None:
+    results = {}
+    for name, kill in (("fault_free", "-1"), ("killed", "5")):
+        out = tmp_path / name
+        out.mkdir()
+        proc = run_command([sys.executable, str(SCRIPTS / "elastic_inline.py"), "--out", str(out),
+                            "--kill-step", kill], 120)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        results[name] = json.loads((out / "results.json").read_text())
+    killed, clean = results["killed"], results["fault_free"]
+    for rank in ("0", "1"):
+        assert clean[rank]["attempt"] == 0 and clean[rank]["resumed_from"] is None
+        assert (
+            killed[rank]["attempt"] == 1 and killed[rank]["resumed_from"] == 3 and killed[rank]["step"] == 9
+        )
+        assert killed[rank]["weights"] == clean[rank]["weights"]

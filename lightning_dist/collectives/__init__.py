@@ -44,6 +44,7 @@ __all__ = [
     "current",
     "reduce_scatter",
     "reduce_scatter_async",
+    "release",
     "reset_stats",
     "shutdown",
     "ring_all_reduce_bytes",
@@ -141,16 +142,19 @@ def barrier() -> None:
     current().barrier()
 
 
-def shutdown() -> None:
-    """End of a distributed script: stop the helper threads and destroy the default process group.
-
-    A process group (or a helper thread waiting in native code) still alive when the interpreter
-    finalises can abort the process ("terminate called without an active exception") after all the
-    work is done; scripts call this last to exit cleanly.
-    """
+def release() -> None:
+    """A strategy's teardown: back to auto-detection and no helper thread left running (a helper
+    thread alive when the interpreter finalises can abort the process)."""
     global _default
     use(None)
     _default = None
     stop_all()
+
+
+def shutdown() -> None:
+    """End of a distributed script: ``release`` and destroy the default process group, so nothing
+    of the transport is left to interpreter finalisation ("terminate called without an active
+    exception" after all the work is done)."""
+    release()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -1,5 +1,7 @@
-"""Launch helpers: Horovod from a notebook; (fork launching lives in the DDP strategy)."""
+"""Launch helpers: Horovod and torch's elastic agent from a notebook or script (fork launching of
+DDP lives in the DDP strategy)."""
 
-from lightning_dist.launch.horovod_run import run_horovod
+from lightning_dist.launch.elastic_run import run_elastic
+from lightning_dist.launch.horovod_run import init_gloo_beside_horovod, run_horovod
 
-__all__ = ["run_horovod"]
+__all__ = ["init_gloo_beside_horovod", "run_elastic", "run_horovod"]

@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.collectives.completer import stop_all
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
@@ -173,8 +172,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        collectives.use(None)
-        stop_all()  # no helper thread may outlive training (see collectives.completer)
+        collectives.release()
 
     @classmethod
     @override

@@ -22,7 +22,6 @@ from torch.futures import Future
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.collectives.completer import stop_all
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
@@ -297,8 +296,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self._hook_handles.clear()
         self._pending.clear()
         super().teardown()
-        collectives.use(None)
-        stop_all()  # no helper thread may outlive training (see collectives.completer)
+        collectives.release()
 
     @classmethod
     @override
