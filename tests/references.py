@@ -38,7 +38,3 @@ def optimizer_update(start: Weights, grads: Weights, optimizer: str, lr: float) 
     cls = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
     cls(list(params.values()), lr=lr).step()
     return {n: p.detach() - start[n] for n, p in params.items()}
-
-
-def max_diff(a: Weights, b: Weights) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

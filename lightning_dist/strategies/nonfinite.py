@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dist import collectives
+from lightning_dist.compression.packing import all_finite
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +24,7 @@ logger = logging.getLogger(__name__)
 def local_grads_finite(optimizer: Any) -> bool:
     """Whether every gradient this rank holds for ``optimizer``'s parameters is finite."""
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    if not grads:
-        return True
-    flags = torch.stack([torch.isfinite(g).all() for g in grads])
-    return bool(flags.all())
+    return bool(all_finite(*grads))
 
 
 class NonFiniteGuard:

@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import signal
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -66,6 +66,39 @@ class Logged(TinyCausalLM):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def fit(
+    out: str,
+    *,
+    commit_every: int = 3,
+    max_steps: int = 12,
+    kill_rank: int = -1,
+    kill_step: int = -1,
+    compression: Optional[str] = None,
+    reduce_op: str = "avg",
+) -> tuple[L.Trainer, Logged, Elastic]:
+    """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
+    torch.set_num_threads(1)
+    os.makedirs(out, exist_ok=True)
+    L.seed_everything(7, verbose=False)
+    model = Logged(out, kill_rank, kill_step)
+    strategy = Elastic(
+        commit_every=commit_every,
+        dirpath=os.path.join(out, "commits"),
+        compression=compression,
+        reduce_op=reduce_op,
+    )
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy=strategy,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        deterministic=True,
+    )
+    trainer.fit(model)
+    return trainer, model, strategy
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -76,25 +109,8 @@ def main() -> None:
     p.add_argument("--compression", default=None)
     p.add_argument("--reduce-op", default="avg")
     a = p.parse_args()
-    torch.set_num_threads(1)
-    os.makedirs(a.out, exist_ok=True)
-    L.seed_everything(7, verbose=False)
-    model = Logged(a.out, a.kill_rank, a.kill_step)
-    strategy = Elastic(
-        commit_every=a.commit_every,
-        dirpath=os.path.join(a.out, "commits"),
-        compression=a.compression,
-        reduce_op=a.reduce_op,
-    )
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        strategy=strategy,
-        max_steps=a.max_steps,
-        limit_val_batches=0,
-        deterministic=True,
-    )
-    trainer.fit(model)
+    options = dict(vars(a))
+    trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
     if trainer.global_rank == 0:
         save_fitted(a.out, trainer, model, resumed_from=strategy.resumed_from, attempt=model.attempt)
 
