@@ -68,6 +68,48 @@ def run_command(cmd: list[str], timeout: float, **env: str) -> subprocess.Comple
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live descendant (torchrun starts its workers in their own sessions, so
+    ``killpg`` of the agent misses them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants (children first found, then killed together)."""
+    for p in process_tree(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def spawned(cmd: list[str], log: Path, **env: str) -> Any:
+    """``Popen(cmd)`` in its own session, output to ``log``; on leaving, it and every descendant
+    still alive is killed, so a failing test leaves no process behind."""
+    with open(log, "a") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(**env), cwd=ROOT, start_new_session=True
+        )
+    try:
+        yield proc
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
 def run_script(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
     """Run a command (``python`` prepended when it starts with a .py path); fail with its output."""
     if args[0] == "python":

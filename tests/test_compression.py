@@ -507,6 +507,48 @@ def test_load_state_dict_of_another_compressor_fails() -> None:
         make_compressor("sign").load_state_dict(make_compressor("topk").state_dict())
 
 
+def test_merge_states_keeps_the_averaged_residual_for_a_new_world_size() -> None:
+    """Error feedback owed to the averaged update, mean(e_i), is what every rank of the new world
+    size holds after the merge; a tensor all ranks share stays bitwise; other values come from rank 0."""
+    ranks = [make_compressor("powersgd", rank=1) for _ in range(3)]
+    exchanges = [
+        c.exchange(0, torch.randn(6, 5, generator=torch.Generator().manual_seed(r)), world_size=3, rank=r)
+        for r, c in enumerate(ranks)
+    ]
+    simulate(exchanges)
+    states = [c.state_dict() for c in ranks]
+    merged = ranks[0].merge_states(states)
+
+    def leaves(tree: Any, path: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{path}/{key}").items()}
+        if isinstance(tree, list):
+            return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{path}/{i}").items()}
+        return {path: tree}
+
+    per_rank = [leaves(s["keys"]) for s in states]
+    got = leaves(merged["keys"])
+    assert got.keys() == per_rank[0].keys()
+    averaged = 0
+    for path, first in per_rank[0].items():
+        values = [r[path] for r in per_rank]
+        if isinstance(first, torch.Tensor) and not all(torch.equal(first, v) for v in values):
+            assert torch.equal(got[path], torch.stack(values).mean(0)), path
+            averaged += 1
+        elif isinstance(first, torch.Tensor):
+            assert torch.equal(got[path], first), path
+        else:
+            assert got[path] == first, path
+    assert averaged > 0, "per-rank residuals differ, so some state must be averaged"
+    fresh = make_compressor("powersgd", rank=1)
+    fresh.load_state_dict(merged)
+    assert fresh.state_dict()["keys"][0]["step"] == 1
+    partial = [states[0], {**states[1], "keys": {}}]
+    assert ranks[0].merge_states(partial)["keys"] == {}, "a key not every rank holds starts afresh"
+    with pytest.raises(ValueError, match="merge_states got a state of 'topk'"):
+        ranks[0].merge_states([make_compressor("topk").state_dict()])
+
+
 def test_changed_shapes_under_a_key_restart_its_state() -> None:
     c = make_compressor("topk", ratio=0.5)
     c.exchange(0, torch.randn(10)).run_local()

@@ -304,6 +304,23 @@ class Compressor(ABC):
             raise ValueError(f"{self.name}: state_dict is for compressor {state.get('name')!r}")
         self._state = {k: _map_tensors(v, lambda t: t.detach().clone()) for k, v in state["keys"].items()}
 
+    def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """One state for every rank of a new world size from the ``state_dict`` of each old rank.
+
+        Floating-point tensors are averaged over the ranks (a tensor every rank holds equal, such as
+        a shared warm-start factor, stays as it is); anything else comes from the first rank. For
+        error feedback under averaging this keeps what is still owed exactly: the residual of the
+        averaged update, mean(e_i), is the same before and after, whatever the new world size.
+        Keys that not every rank holds are dropped (they start afresh).
+        """
+        if not states:
+            raise ValueError(f"{self.name}: merge_states needs at least one state, got none")
+        for state in states:
+            if state.get("name") != self.name:
+                raise ValueError(f"{self.name}: merge_states got a state of {state.get('name')!r}")
+        keys = [k for k in states[0]["keys"] if all(k in s["keys"] for s in states)]
+        return {"name": self.name, "keys": {k: _merge_trees([s["keys"][k] for s in states]) for k in keys}}
+
     def reset(self) -> None:
         """Forget all state (error feedback, warm-start factors, momentum, step counters)."""
         self._state.clear()
@@ -312,6 +329,19 @@ class Compressor(ABC):
 def _nothing_to_send(tensors: list[Tensor]) -> Rounds:
     return [t.clone() for t in tensors]
     yield  # a generator with no rounds
+
+
+def _merge_trees(trees: list[Any]) -> Any:
+    first = trees[0]
+    if isinstance(first, Tensor):
+        if not first.is_floating_point() or all(torch.equal(first, t) for t in trees[1:]):
+            return first.detach().clone()
+        return torch.stack([t.detach() for t in trees]).mean(dim=0)
+    if isinstance(first, dict):
+        return {k: _merge_trees([t[k] for t in trees]) for k in first}
+    if isinstance(first, list):
+        return [_merge_trees([t[i] for t in trees]) for i in range(len(first))]
+    return first
 
 
 def _map_tensors(tree: Any, fn: Callable[[Tensor], Tensor]) -> Any:

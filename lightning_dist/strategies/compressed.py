@@ -217,18 +217,24 @@ class Compressed(DDP):
             problem = (
                 f"the checkpoint's compressor is {saved.get('compressor')!r}, not {self.compressor.name!r}"
             )
-        elif saved.get("world_size") != self.world_size:
-            problem = (
-                f"the checkpoint was saved at world size {saved.get('world_size')}, not {self.world_size}"
-            )
         if problem is not None:
             warnings.warn(f"Compressed: {problem}; the compressor starts afresh", stacklevel=2)
             self.compressor.reset()
             state.planned = None
             return
         assert saved is not None
-        entry = saved["ranks"][self.global_rank]
-        self.compressor.load_state_dict(entry["state"])
+        ranks = saved["ranks"]
+        if saved.get("world_size") == self.world_size:
+            entry = ranks[self.global_rank]
+            self.compressor.load_state_dict(entry["state"])
+        else:  # another world size: every rank gets the ranks' merged state (see Compressor.merge_states)
+            entry = ranks[0]
+            self.compressor.load_state_dict(self.compressor.merge_states([r["state"] for r in ranks]))
+            logger.info(
+                "Compressed: compressor state of %d ranks merged for world size %d",
+                len(ranks),
+                self.world_size,
+            )
         state.planned = {int(k): [int(i) for i in v] for k, v in entry["layout"].items()} or None
         state.layout = {}
 

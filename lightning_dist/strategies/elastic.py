@@ -12,9 +12,11 @@ The training data is read through an ``ElasticSampler``: every sample once per e
 global batch the same samples on every world size. Gradients reduce as ``Compressed`` does
 (``compression=None`` is bitwise ``DDP()``; ``reduce_op="adasum"`` works at any world size).
 
-Not done yet: a world size that changes between restarts (the loop counters of a commit are only
-valid for the accumulation they were taken with; refused with an error), ``run_elastic`` for
-notebooks.
+The world size may change between restarts (``torchrun --nnodes=MIN:MAX``): the global batch is
+kept (per-rank micro-batches and accumulation follow the new size), Lightning's loop counters in the
+commit are rescaled to the new accumulation, the compressor states of the old ranks are merged
+(``Compressor.merge_states``), and where the new size does not divide the global batch the learning
+rate follows ``plan.lr_scale`` (``scale_lr=False`` turns that off).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.checks import check_choice, check_int
+from lightning_dist.checks import check_bool, check_choice, check_int
 from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
 from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticSampler
@@ -84,6 +87,16 @@ class _CommitCallback(L.Callback):
         self.last_step = step
 
 
+def _rescale_batch_progress(progress: dict[str, Any], ready: int) -> None:
+    """Shift Lightning's micro-batch counters so the epoch's ``ready`` count is ``ready`` (another
+    accumulation makes the same optimizer step another micro-batch number); offsets between the
+    counters (``completed`` trails by one at ``on_train_batch_end``) are kept."""
+    shift = ready - int(progress["current"]["ready"])
+    for scope in ("current", "total"):
+        for name in ("ready", "started", "processed", "completed"):
+            progress[scope][name] = int(progress[scope][name]) + shift
+
+
 class Elastic(Compressed):
     """Elastic data-parallel training with commits (see the module docstring).
 
@@ -97,6 +110,8 @@ class Elastic(Compressed):
         seed: seed of the per-epoch sample order.
         on_indivisible: what a world size that does not divide the global batch does; see
             ``lightning_dist.elastic.sampler``.
+        scale_lr: on such a world size, multiply every learning rate (and every scheduler's base
+            rates) by the plan's ``lr_scale`` (linear scaling rule); False leaves it to the user.
         **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
     """
 
@@ -111,12 +126,14 @@ class Elastic(Compressed):
         compression: Union[None, str, Compressor] = None,
         seed: int = 0,
         on_indivisible: str = "keep_per_rank",
+        scale_lr: bool = True,
         **options: Any,
     ) -> None:
         check_int("commit_every", commit_every, 1)
         check_int("keep", keep, 1)
         check_int("seed", seed, 0)
         check_choice("on_indivisible", on_indivisible, ON_INDIVISIBLE)
+        check_bool("scale_lr", scale_lr)
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
             raise ValueError(f"dirpath={dirpath!r} is not supported; accepted: None, a str or a path")
         options.setdefault("skip_nonfinite", True)
@@ -127,22 +144,49 @@ class Elastic(Compressed):
         self.dirpath = dirpath
         self.seed = seed
         self.on_indivisible = on_indivisible
+        self.scale_lr = scale_lr
         self.store: Optional[CommitStore] = None
         self.plan: Optional[ElasticPlan] = None
         self.sampler: Optional[ElasticSampler] = None
         self.resumed_from: Optional[int] = None
         """The step of the commit this run resumed from (None: a fresh run)."""
         self._saved: dict[str, Any] = {}
+        self._resume_plan: Optional[ElasticPlan] = None
+        self.lr_factor = 1.0
+        """The factor the learning rates were multiplied by on resume (``scale_lr``)."""
 
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        own = ["commit_every", "keep", "dirpath", "compression", "seed", "on_indivisible"]
+        own = ["commit_every", "keep", "dirpath", "compression", "seed", "on_indivisible", "scale_lr"]
         return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
 
     # -- (re)start ---------------------------------------------------------------------------------
+    @property
+    @override
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        """Under torchrun the agent's rendezvous decides the node count (``--nnodes=MIN:MAX``), not
+        the Trainer's ``num_nodes``: Lightning checks devices x nodes against WORLD_SIZE."""
+        if TorchElasticEnvironment.detect():
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            num_nodes = max(1, int(os.environ["WORLD_SIZE"]) // max(1, local))
+        self._num_nodes = num_nodes
+
     @override
     def _process_group_kwargs(self) -> dict[str, Any]:
+        if (
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+        ):
+            logger.warning(
+                "Elastic: several torchrun agents share torch's rendezvous store; when a node leaves and "
+                "joins again torch 2.x loses the master address and the workers' store keys of the round "
+                "(the rendezvous times out). Start every torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+            )
         store = attempt_store(self._timeout or default_pg_timeout)
         return {} if store is None else {"store": store}
 
@@ -165,15 +209,31 @@ class Elastic(Compressed):
             logger.debug("Elastic: no commit in %s; a fresh run", dirpath)
             return
         checkpoint = commit.state
-        self._saved = dict(checkpoint[ELASTIC_KEY])
-        if self._saved["world_size"] != self.world_size:
-            raise RuntimeError(
-                f"Elastic: the commit at step {commit.step} was taken at world size "
-                f"{self._saved['world_size']}, this run has {self.world_size}; resuming on another world "
-                "size is not supported yet"
-            )
+        saved = self._saved = dict(checkpoint[ELASTIC_KEY])
+        sampler_state = saved["sampler"]
+        plan = self._resume_plan = ElasticPlan(
+            dataset_len=sampler_state["dataset_len"],
+            global_batch=saved["global_batch"],
+            world_size=self.world_size,
+            micro_batch=saved["micro_batch"],
+            base_world_size=saved["base_world_size"],
+            on_indivisible=self.on_indivisible,
+        )
         loop = checkpoint["loops"]["fit_loop"]
-        loop["state_dict"]["combined_loader"] = [self._saved["sampler"]]
+        if saved["world_size"] != self.world_size:
+            _rescale_batch_progress(
+                loop["epoch_loop.batch_progress"], sampler_state["step"] * plan.accumulate
+            )
+            if self.scale_lr:
+                self.lr_factor = plan.lr_scale / saved["lr_scale"]
+            logger.info(
+                "Elastic: the commit of step %d was taken at world size %d; resuming at %d with %s",
+                commit.step,
+                saved["world_size"],
+                self.world_size,
+                plan,
+            )
+        loop["state_dict"]["combined_loader"] = [sampler_state]
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint  # Lightning restores it next
         self.resumed_from = commit.step
         logger.debug("Elastic: resuming from the commit of step %d (%s)", commit.step, commit.path)
@@ -187,8 +247,24 @@ class Elastic(Compressed):
     def on_train_start(self) -> None:
         super().on_train_start()
         rng = self._saved.get("rng")
-        if rng is not None:
-            restore_rng_state(rng[self.global_rank])
+        if rng is not None:  # on a larger world size the new ranks take the old ranks' states in turn
+            restore_rng_state(rng[self.global_rank % len(rng)])
+        if self.lr_factor != 1.0:
+            self._scale_learning_rates(self.lr_factor)
+
+    def _scale_learning_rates(self, factor: float) -> None:
+        """Multiply every optimizer's learning rates, and every scheduler's base rates, by ``factor``."""
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                for key in ("lr", "initial_lr"):
+                    if key in group:
+                        group[key] = group[key] * factor
+        for config in self._trainer().lr_scheduler_configs:
+            scheduler: Any = config.scheduler
+            for name in ("base_lrs", "_last_lr"):
+                if isinstance(getattr(scheduler, name, None), list):
+                    setattr(scheduler, name, [lr * factor for lr in getattr(scheduler, name)])
+        logger.info("Elastic: learning rates scaled by %.6g (plan.lr_scale, linear scaling rule)", factor)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -200,15 +276,26 @@ class Elastic(Compressed):
                 "Elastic: the training DataLoader must be built with batch_size= (the per-rank micro-batch); "
                 "Elastic supplies the sampler itself"
             )
-        global_batch = self._saved.get("global_batch") or (
-            self.world_size * dataloader.batch_size * trainer.accumulate_grad_batches
-        )
-        self.plan = ElasticPlan(
-            dataset_len=len(dataloader.dataset),  # type: ignore[arg-type]
-            global_batch=global_batch,
+        dataset_len = len(dataloader.dataset)  # type: ignore[arg-type]
+        resumed = self._resume_plan
+        if resumed is not None and resumed.dataset_len != dataset_len:
+            raise ValueError(
+                f"Elastic: the commit in {self.store.dirpath if self.store else '?'} was taken on a dataset "
+                f"of {resumed.dataset_len} samples, the training DataLoader has {dataset_len}; resume with "
+                "the same dataset or point dirpath= at a new directory"
+            )
+        if resumed is not None and resumed.micro_batch != dataloader.batch_size:
+            logger.warning(
+                "Elastic: the DataLoader's batch_size=%d differs from the committed run's %d; the "
+                "committed plan is kept",
+                dataloader.batch_size,
+                resumed.micro_batch,
+            )
+        self.plan = resumed or ElasticPlan(
+            dataset_len=dataset_len,
+            global_batch=self.world_size * dataloader.batch_size * trainer.accumulate_grad_batches,
             world_size=self.world_size,
             micro_batch=dataloader.batch_size,
-            base_world_size=self._saved.get("base_world_size", self.world_size),
             on_indivisible=self.on_indivisible,
         )
         self.sampler = ElasticSampler(
@@ -251,6 +338,8 @@ class Elastic(Compressed):
             "sampler": sampler_state,
             "global_batch": self.plan.global_batch,
             "base_world_size": self.plan.base_world_size or self.world_size,
+            "micro_batch": self.plan.micro_batch,
+            "lr_scale": self.plan.lr_scale,
             "world_size": self.world_size,
             "rng": [r["rng"] for r in ranks],
         }

@@ -3,8 +3,11 @@
 torchrun --standalone --nproc-per-node=2 --max-restarts=1 tests/scripts/elastic_run.py --out DIR \\
     [--kill-rank 1 --kill-step 7]
 
-Each attempt of each rank appends ``{"step", "samples"}`` lines to ``samples.rank<r>.attempt<a>.jsonl``
-(flushed per batch, so a killed worker's lines survive). With ``--kill-rank``/``--kill-step`` that
+Each worker process appends ``{"step", "samples", "rank", "world", "attempt", "incarnation"}`` lines
+to ``samples.pid<pid>.jsonl`` (flushed per batch, so a killed worker's lines survive); the
+incarnation (rank 0's start time, broadcast) orders the runs of one step, so the last run of every
+step is known even when agents and ranks come and go. ``--step-sleep`` slows every step (so a test can
+act between steps). With ``--kill-rank``/``--kill-step`` that
 rank SIGKILLs itself after that optimizer step on the first attempt only (on every attempt with
 ``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``). Rank 0 saves the final
 weights and facts (``rank0.pt``, ``rank0.json``).
@@ -16,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from typing import Any, Optional
 
 import lightning as L
@@ -44,19 +48,33 @@ class Indexed(Dataset):
 
 
 class Logged(TinyCausalLM):
-    def __init__(self, out: str, kill_rank: int, kill_step: int) -> None:
+    def __init__(self, out: str, kill_rank: int, kill_step: int, step_sleep: float = 0.0) -> None:
         super().__init__(WorkloadConfig.tiny(seed=7))
         self.out, self.kill_rank, self.kill_step = out, kill_rank, kill_step
+        self.step_sleep = step_sleep
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.incarnation = 0
+
+    def on_train_start(self) -> None:
+        self.incarnation = int(self.trainer.strategy.broadcast(time.time_ns(), 0))
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(Indexed(super().train_dataloader().dataset), batch_size=self.config.batch_size)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y, idx = batch
-        path = os.path.join(self.out, f"samples.rank{self.global_rank}.attempt{self.attempt}.jsonl")
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"step": self.trainer.global_step, "samples": idx.tolist()}) + "\n")
+        entry = {
+            "step": self.trainer.global_step,
+            "samples": idx.tolist(),
+            "rank": self.global_rank,
+            "world": self.trainer.world_size,
+            "attempt": self.attempt,
+            "incarnation": self.incarnation,
+        }
+        with open(os.path.join(self.out, f"samples.pid{os.getpid()}.jsonl"), "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
         return super().training_step((x, y), batch_idx)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -75,12 +93,13 @@ def fit(
     kill_step: int = -1,
     compression: Optional[str] = None,
     reduce_op: str = "avg",
+    step_sleep: float = 0.0,
 ) -> tuple[L.Trainer, Logged, Elastic]:
     """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
     torch.set_num_threads(1)
     os.makedirs(out, exist_ok=True)
     L.seed_everything(7, verbose=False)
-    model = Logged(out, kill_rank, kill_step)
+    model = Logged(out, kill_rank, kill_step, step_sleep)
     strategy = Elastic(
         commit_every=commit_every,
         dirpath=os.path.join(out, "commits"),
@@ -108,6 +127,7 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--compression", default=None)
     p.add_argument("--reduce-op", default="avg")
+    p.add_argument("--step-sleep", type=float, default=0.0)
     a = p.parse_args()
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
