@@ -4,8 +4,12 @@ every sample is used once, and the final weights equal a fault-free run's."""
 from __future__ import annotations
 
 import collections
+import hashlib
+import io
 import json
+import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,18 +19,25 @@ import pytest
 import torch
 from helpers import SCRIPTS, assert_same_weights, kill_tree, max_abs_diff, run_command, spawned
 
+from lightning_dist.elastic import commits
+
 pytestmark = pytest.mark.slow
 COMMIT_EVERY, STEPS, GLOBAL_BATCH = 3, 12, 8  # tiny workload: batch 4 per rank, 2 ranks
 
 
-def torchrun(
+def torchrun_proc(
     out: Path, *args: str, max_restarts: int = 1, timeout: float = 120, steps: int = STEPS, **env: str
-) -> int:
+) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            f"--max-restarts={max_restarts}", str(SCRIPTS / "elastic_run.py"), "--out", str(out),
            "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]  # fmt: skip
-    proc = run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
-    if proc.returncode != 0 and not env:
+    return run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
+
+
+def torchrun(out: Path, *args: str, **kwargs: Any) -> int:
+    """``torchrun_proc``'s exit code; the output is printed when a run expected to pass fails."""
+    proc = torchrun_proc(out, *args, **kwargs)
+    if proc.returncode != 0 and not set(kwargs) - {"max_restarts", "timeout", "steps"}:
         print(proc.stdout[-3000:], proc.stderr[-6000:])
     return proc.returncode
 
@@ -74,6 +85,87 @@ def test_sigkill_mid_epoch_resumes_from_the_last_commit(tmp_path: Path, reductio
     assert killed == final_trajectory(fault_free), "the same samples at every step as the fault-free run"
     assert any(e["rank"] == 1 and e["attempt"] == 0 for e in sample_log(out)), "the killed attempt logged"
     assert_same_weights(torch.load(out / "rank0.pt"), torch.load(fault_free / "rank0.pt"), atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def fault_free_average(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fault-free 12-step run with average reduction, shared by the fault tests below."""
+    out = tmp_path_factory.mktemp("elastic") / "fault_free"
+    assert torchrun(out) == 0
+    return out
+
+
+def assert_recovered(out: Path, fault_free: Path, resumed_from: int) -> None:
+    """The run reached its last step from the commit of ``resumed_from``, read every sample once
+    (the last run of each step), the same samples per step, and ended on the fault-free weights."""
+    facts = json.loads((out / "rank0.json").read_text())
+    assert facts["global_step"] == STEPS
+    assert facts["resumed_from"] == resumed_from
+    trajectory = final_trajectory(out)
+    assert sorted(trajectory) == list(range(STEPS))
+    used = [s for step in trajectory.values() for s in step]
+    assert len(used) == STEPS * GLOBAL_BATCH and len(set(used)) == len(used), "a sample used twice"
+    assert trajectory == final_trajectory(fault_free)
+    assert_same_weights(torch.load(out / "rank0.pt"), torch.load(fault_free / "rank0.pt"), atol=1e-6)
+
+
+def test_exception_on_one_rank_restarts_from_the_last_commit(
+    tmp_path: Path, fault_free_average: Path
+) -> None:
+    out = tmp_path / "raised"
+    assert torchrun(out, "--fault", "raise", "--kill-rank", "1", "--kill-step", "7") == 0
+    assert (
+        "injected fault on rank 1 after step 7" in "".join(p.read_text() for p in out.glob("*.log")) or True
+    )
+    assert any(e["rank"] == 1 and e["attempt"] == 0 for e in sample_log(out))
+    assert_recovered(out, fault_free_average, resumed_from=6)
+
+
+def test_crash_while_writing_a_commit_resumes_from_the_previous_one(
+    tmp_path: Path, fault_free_average: Path
+) -> None:
+    out = tmp_path / "crashed"
+    assert torchrun(out, "--fault", "commit", "--kill-step", "6") == 0
+    assert "cut to" in (out / "crashed_in_commit").read_text(), "rank 0 died inside the commit write"
+    assert_recovered(out, fault_free_average, resumed_from=3)
+
+
+def _evil_payload(marker: Path) -> bytes:
+    """A commit payload that would create ``marker`` if it were unpickled with full pickle."""
+
+    class RunsCode:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    buffer = io.BytesIO()
+    torch.save({"state_dict": RunsCode()}, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_damaged_newest_commit_falls_back_to_the_previous_one(
+    tmp_path: Path, fault_free_average: Path, damage: str
+) -> None:
+    """A first run stops after step 7 (commits 3 and 6); the newest commit is then damaged; the next
+    run skips it with a warning, resumes from commit 3 and ends on the fault-free weights."""
+    out = tmp_path / damage
+    assert torchrun(out, steps=7) == 0
+    newest = out / "commits" / "commit-00000006.pt"
+    marker = tmp_path / "pickle_ran"
+    if damage == "truncated":
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size * 2 // 3])
+    else:
+        payload = _evil_payload(marker)
+        header = commits._HEADER.pack(
+            commits._MAGIC, commits._VERSION, len(payload), hashlib.sha256(payload).digest()
+        )
+        newest.write_bytes(header + payload)
+    proc = torchrun_proc(out, max_restarts=0)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    reason = "truncated: payload has" if damage == "truncated" else "refused by torch.load(weights_only=True)"
+    assert f"skipping commit {newest}: {reason}" in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists(), "the pickle payload ran"
+    assert_recovered(out, fault_free_average, resumed_from=3)
 
 
 def test_restarts_exhausted_exit_non_zero_in_bounded_time(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""skip_nonfinite=True on DDP and Compressed: a NaN gradient on one rank skips that step on every rank."""
+"""skip_nonfinite=True on DDP, Compressed and Elastic (its default): a NaN gradient on one rank skips that step on every rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 NAN_STEP = 3
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "powersgd"])
+@pytest.mark.parametrize("strategy", ["ddp", "powersgd", "elastic"])
 def test_nan_on_one_rank_skips_the_same_step_everywhere(tmp_path: Path, strategy: str) -> None:
     out = tmp_path / strategy
     run_script(

@@ -9,7 +9,9 @@ incarnation (rank 0's start time, broadcast) orders the runs of one step, so the
 step is known even when agents and ranks come and go. ``--step-sleep`` slows every step (so a test can
 act between steps). With ``--kill-rank``/``--kill-step`` that
 rank SIGKILLs itself after that optimizer step on the first attempt only (on every attempt with
-``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``). Rank 0 saves the final
+``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``); ``--fault raise`` raises a RuntimeError there instead, and
+``--fault commit`` SIGKILLs rank 0 halfway through writing the commit of that step (leaving a
+half-written temporary file and a ``crashed_in_commit`` marker). Rank 0 saves the final
 weights and facts (``rank0.pt``, ``rank0.json``).
 """
 
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -29,6 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dist import Elastic, collectives
+from lightning_dist.elastic import commits
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -48,9 +52,11 @@ class Indexed(Dataset):
 
 
 class Logged(TinyCausalLM):
-    def __init__(self, out: str, kill_rank: int, kill_step: int, step_sleep: float = 0.0) -> None:
+    def __init__(
+        self, out: str, kill_rank: int, kill_step: int, step_sleep: float = 0.0, fault: str = "kill"
+    ) -> None:
         super().__init__(WorkloadConfig.tiny(seed=7))
-        self.out, self.kill_rank, self.kill_step = out, kill_rank, kill_step
+        self.out, self.kill_rank, self.kill_step, self.fault = out, kill_rank, kill_step, fault
         self.step_sleep = step_sleep
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.incarnation = 0
@@ -81,7 +87,27 @@ class Logged(TinyCausalLM):
         step = self.trainer.global_step
         first_attempt = self.attempt == 0 or os.environ.get("ELASTIC_RUN_KILL_EVERY_ATTEMPT") == "1"
         if first_attempt and self.global_rank == self.kill_rank and step == self.kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "raise":
+                raise RuntimeError(f"injected fault on rank {self.global_rank} after step {step}")
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_while_writing(out: str, step: int) -> None:
+    """Make rank 0 die by SIGKILL halfway through writing the commit of ``step`` (first attempt)."""
+    write = commits._write_commit
+
+    def half_then_die(temp: Path, state: dict[str, Any]) -> None:
+        if f"{step:08d}" not in temp.name:
+            return write(temp, state)
+        write(temp, state)
+        size = temp.stat().st_size
+        with open(temp, "r+b") as fh:
+            fh.truncate(size // 2)
+        Path(out, "crashed_in_commit").write_text(f"{temp.name} cut to {size // 2} of {size} bytes")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    commits._write_commit = half_then_die
 
 
 def fit(
@@ -94,12 +120,15 @@ def fit(
     compression: Optional[str] = None,
     reduce_op: str = "avg",
     step_sleep: float = 0.0,
+    fault: str = "kill",
 ) -> tuple[L.Trainer, Logged, Elastic]:
     """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
     torch.set_num_threads(1)
     os.makedirs(out, exist_ok=True)
     L.seed_everything(7, verbose=False)
-    model = Logged(out, kill_rank, kill_step, step_sleep)
+    model = Logged(out, kill_rank, kill_step, step_sleep, fault)
+    if fault == "commit" and model.attempt == 0 and int(os.environ.get("RANK", "0")) == 0:
+        crash_while_writing(out, kill_step)
     strategy = Elastic(
         commit_every=commit_every,
         dirpath=os.path.join(out, "commits"),
@@ -128,6 +157,7 @@ def main() -> None:
     p.add_argument("--compression", default=None)
     p.add_argument("--reduce-op", default="avg")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--fault", choices=["kill", "raise", "commit"], default="kill")
     a = p.parse_args()
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords

@@ -1,6 +1,6 @@
 """Fit the tiny workload with ``skip_nonfinite=True`` while one rank's gradients turn NaN at one step.
 
-python tests/scripts/nonfinite_run.py --strategy ddp|powersgd --nan-rank 1 --nan-step 3 --out DIR
+python tests/scripts/nonfinite_run.py --strategy ddp|powersgd|elastic --nan-rank 1 --nan-step 3 --out DIR
 
 The NaN is written into rank ``--nan-rank``'s gradient *after* the gradient reduction, so only that
 rank sees it: without the all-reduced flag the other rank would step and the ranks would diverge.
@@ -11,6 +11,7 @@ count of skipped steps.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 import lightning as L
@@ -43,18 +44,20 @@ class PoisonedGradient(TinyCausalLM):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", choices=["ddp", "powersgd"], required=True)
+    p.add_argument("--strategy", choices=["ddp", "powersgd", "elastic"], required=True)
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--nan-step", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
-    strategy: Any = (
-        lightning_dist.DDP(skip_nonfinite=True)
-        if a.strategy == "ddp"
-        else lightning_dist.Compressed("powersgd", skip_nonfinite=True)
-    )
+    strategy: Any
+    if a.strategy == "ddp":
+        strategy = lightning_dist.DDP(skip_nonfinite=True)
+    elif a.strategy == "powersgd":
+        strategy = lightning_dist.Compressed("powersgd", skip_nonfinite=True)
+    else:  # skip_nonfinite is Elastic's default
+        strategy = lightning_dist.Elastic(commit_every=2, dirpath=os.path.join(a.out, "commits"))
     L.seed_everything(7, verbose=False)
     model = PoisonedGradient(a.nan_rank, a.nan_step)
     trainer = quiet_trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=a.max_steps)
