@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_dist.elastic import commits
+from lightning_dist.elastic import BackgroundWriter, commits
 from lightning_dist.elastic.commits import (
     Commit,
     CommitStore,
@@ -490,3 +490,32 @@ def test_restore_rng_state_accepts_a_subset_and_refuses_unknown_keys() -> None:
         restore_rng_state({"mps": 1})
     with pytest.raises(ValueError, match="states must be a dict"):
         restore_rng_state([])  # type: ignore[arg-type]
+
+
+def test_background_writer_writes_the_state_as_of_submit(tmp_path: Path) -> None:
+    store = CommitStore(tmp_path, keep=2)
+    writer = BackgroundWriter(store)
+    weights = torch.zeros(1000)
+    for step in (1, 2, 3):
+        weights.fill_(step)
+        writer.submit(step, {"weights": weights, "meta": {"step": step}})
+        weights.fill_(-1.0)  # the optimizer goes on while the commit is written
+    writer.wait()
+    assert store.steps() == [2, 3]
+    latest = store.load_latest()
+    assert latest is not None and latest.step == 3
+    assert torch.equal(latest.state["weights"], torch.full((1000,), 3.0)) and latest.state["meta"] == {
+        "step": 3
+    }
+    assert writer.last_path == store.path(3)
+
+
+def test_background_writer_raises_a_failed_write_on_the_next_call(tmp_path: Path) -> None:
+    writer = BackgroundWriter(CommitStore(tmp_path))
+    writer.submit(1, {"bad": object()})  # refused by the weights-only check inside save
+    with pytest.raises(RuntimeError, match=r"writing a commit to .* failed: .*bad"):
+        writer.wait()
+    writer.wait()  # reported once
+    writer.submit(2, {"ok": torch.ones(2)})
+    writer.close()
+    assert CommitStore(tmp_path).steps() == [2]

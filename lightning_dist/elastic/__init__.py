@@ -1,6 +1,7 @@
 """Building blocks for elastic (torchrun) training, which restarts and resizes jobs: atomic verified
 commits of the training state (``commits``) and a data position that survives restarts and
-world-size changes (``sampler``). The ``Elastic`` strategy that joins them is not built yet."""
+world-size changes (``sampler``), and a writer that commits in the background (``writer``). The
+``Elastic`` strategy (``lightning_dist.strategies.elastic``) joins them."""
 
 from lightning_dist.elastic.commits import (
     Commit,
@@ -10,8 +11,10 @@ from lightning_dist.elastic.commits import (
     restore_rng_state,
 )
 from lightning_dist.elastic.sampler import ElasticBatchWarning, ElasticPlan, ElasticSampler, epoch_order
+from lightning_dist.elastic.writer import BackgroundWriter, snapshot
 
 __all__ = [
+    "BackgroundWriter",
     "Commit",
     "CommitStore",
     "CommitWarning",
@@ -21,4 +24,5 @@ __all__ = [
     "capture_rng_state",
     "epoch_order",
     "restore_rng_state",
+    "snapshot",
 ]

@@ -39,6 +39,7 @@ from lightning_dist.checks import check_bool, check_choice, check_int
 from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
 from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticSampler
+from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.launch.torchelastic import attempt_store
 from lightning_dist.strategies.compressed import Compressed
 
@@ -112,6 +113,10 @@ class Elastic(Compressed):
             ``lightning_dist.elastic.sampler``.
         scale_lr: on such a world size, multiply every learning rate (and every scheduler's base
             rates) by the plan's ``lr_scale`` (linear scaling rule); False leaves it to the user.
+        background_commits: rank 0 snapshots the state at the commit step and writes it on a
+            background thread while training goes on (``lightning_dist.elastic.BackgroundWriter``);
+            False writes before the next step starts. A kill while a write is in flight resumes from
+            the commit before it.
         **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
     """
 
@@ -127,6 +132,7 @@ class Elastic(Compressed):
         seed: int = 0,
         on_indivisible: str = "keep_per_rank",
         scale_lr: bool = True,
+        background_commits: bool = True,
         **options: Any,
     ) -> None:
         check_int("commit_every", commit_every, 1)
@@ -134,6 +140,7 @@ class Elastic(Compressed):
         check_int("seed", seed, 0)
         check_choice("on_indivisible", on_indivisible, ON_INDIVISIBLE)
         check_bool("scale_lr", scale_lr)
+        check_bool("background_commits", background_commits)
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
             raise ValueError(f"dirpath={dirpath!r} is not supported; accepted: None, a str or a path")
         options.setdefault("skip_nonfinite", True)
@@ -145,6 +152,8 @@ class Elastic(Compressed):
         self.seed = seed
         self.on_indivisible = on_indivisible
         self.scale_lr = scale_lr
+        self.background_commits = background_commits
+        self.writer: Optional[BackgroundWriter] = None
         self.store: Optional[CommitStore] = None
         self.plan: Optional[ElasticPlan] = None
         self.sampler: Optional[ElasticSampler] = None
@@ -158,7 +167,16 @@ class Elastic(Compressed):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        own = ["commit_every", "keep", "dirpath", "compression", "seed", "on_indivisible", "scale_lr"]
+        own = [
+            "commit_every",
+            "keep",
+            "dirpath",
+            "compression",
+            "seed",
+            "on_indivisible",
+            "scale_lr",
+            "background_commits",
+        ]
         return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
 
     # -- (re)start ---------------------------------------------------------------------------------
@@ -197,6 +215,7 @@ class Elastic(Compressed):
         trainer._accelerator_connector.use_distributed_sampler = False  # our sampler shards the data
         dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "elastic_commits")
         self.store = CommitStore(dirpath, keep=self.keep)
+        self.writer = BackgroundWriter(self.store) if self.background_commits else None
         commit = self.store.load_latest()
         step = None if commit is None else commit.step
         steps = collectives.all_gather(torch.tensor([-1 if step is None else step]))
@@ -343,8 +362,19 @@ class Elastic(Compressed):
             "world_size": self.world_size,
             "rng": [r["rng"] for r in ranks],
         }
-        path = self.store.save(trainer.global_step, checkpoint)
-        logger.debug("Elastic: committed step %d to %s", trainer.global_step, path)
+        if self.writer is not None:
+            self.writer.submit(trainer.global_step, checkpoint)
+            logger.debug("Elastic: committing step %d in the background", trainer.global_step)
+        else:
+            path = self.store.save(trainer.global_step, checkpoint)
+            logger.debug("Elastic: committed step %d to %s", trainer.global_step, path)
+
+    @override
+    def teardown(self) -> None:
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.close()  # the last commit is on disk before the process may exit
+        super().teardown()
 
     @classmethod
     @override
