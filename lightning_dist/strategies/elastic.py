@@ -83,6 +83,10 @@ class _CommitCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
+        if self.strategy.writer is not None:
+            # the commit written in the background during this step is on disk from here on, so a
+            # restart redoes at most commit_every completed steps
+            self.strategy.writer.wait()
         if step != self.last_step and step % self.strategy.commit_every == 0:
             self.strategy.commit(trainer)
         self.last_step = step
@@ -114,9 +118,9 @@ class Elastic(Compressed):
         scale_lr: on such a world size, multiply every learning rate (and every scheduler's base
             rates) by the plan's ``lr_scale`` (linear scaling rule); False leaves it to the user.
         background_commits: rank 0 snapshots the state at the commit step and writes it on a
-            background thread while training goes on (``lightning_dist.elastic.BackgroundWriter``);
-            False writes before the next step starts. A kill while a write is in flight resumes from
-            the commit before it.
+            background thread during the next optimizer step, and waits for it at that step's end
+            (``lightning_dist.elastic.BackgroundWriter``), so at most ``commit_every`` completed
+            steps are ever redone; False writes before the next step starts.
         **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
     """
 
