@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,9 +27,15 @@ COMMIT_EVERY, STEPS, GLOBAL_BATCH = 3, 12, 8  # tiny workload: batch 4 per rank,
 
 
 def torchrun_proc(
-    out: Path, *args: str, max_restarts: int = 1, timeout: float = 120, steps: int = STEPS, **env: str
+    out: Path,
+    *args: str,
+    max_restarts: int = 1,
+    timeout: float = 120,
+    steps: int = STEPS,
+    nproc: int = 2,
+    **env: str,
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", str(SCRIPTS / "elastic_run.py"), "--out", str(out),
            "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]  # fmt: skip
     return run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
@@ -37,7 +44,7 @@ def torchrun_proc(
 def torchrun(out: Path, *args: str, **kwargs: Any) -> int:
     """``torchrun_proc``'s exit code; the output is printed when a run expected to pass fails."""
     proc = torchrun_proc(out, *args, **kwargs)
-    if proc.returncode != 0 and not set(kwargs) - {"max_restarts", "timeout", "steps"}:
+    if proc.returncode != 0 and not set(kwargs) - {"max_restarts", "timeout", "steps", "nproc"}:
         print(proc.stdout[-3000:], proc.stderr[-6000:])
     return proc.returncode
 
@@ -269,3 +276,27 @@ def test_world_size_2_to_1_to_2_keeps_the_trajectory(tmp_path: Path, reduction: 
     diff = max_abs_diff(weights, reference)
     print(f"{reduction}: worlds by step {worlds}; weights {diff:.3g} from fault-free ({diff / scale:.3g} x)")
     assert diff <= SCALE_BOUND[reduction] * scale
+
+
+def test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate(tmp_path: Path) -> None:
+    """Global batch 8 committed at world size 2, resumed on 3 ranks: each rank keeps 4 samples a
+    step (12 per step, a warning says so), the learning rate is scaled by 12/8, every sample is still
+    read at most once, and ``scale_lr=False`` leaves the rate to the user."""
+    first = tmp_path / "world2"
+    assert torchrun(first, steps=6) == 0
+    lrs = {}
+    for name, flags in (("scaled", []), ("unscaled", ["--no-scale-lr"])):
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        proc = torchrun_proc(out, *flags, steps=9, nproc=3)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        assert "global_batch=8 is not divisible by world_size=3" in proc.stderr
+        facts = json.loads((out / "rank0.json").read_text())
+        assert facts["resumed_from"] == 6 and facts["world_size"] == 3 and facts["global_step"] == 9
+        lrs[name] = (facts["lr"], facts["lr_factor"])
+        trajectory = final_trajectory(out)
+        assert [len(trajectory[s]) for s in range(9)] == [8] * 6 + [12] * 3
+        used = [s for step in trajectory.values() for s in step]
+        assert len(set(used)) == len(used), "a sample used twice"
+    assert lrs["scaled"][1] == 1.5 and lrs["unscaled"][1] == 1.0
+    assert lrs["scaled"][0] == pytest.approx(1.5 * lrs["unscaled"][0], rel=1e-12)

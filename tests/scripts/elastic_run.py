@@ -121,6 +121,7 @@ def fit(
     reduce_op: str = "avg",
     step_sleep: float = 0.0,
     fault: str = "kill",
+    scale_lr: bool = True,
 ) -> tuple[L.Trainer, Logged, Elastic]:
     """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
     torch.set_num_threads(1)
@@ -134,6 +135,7 @@ def fit(
         dirpath=os.path.join(out, "commits"),
         compression=compression,
         reduce_op=reduce_op,
+        scale_lr=scale_lr,
     )
     trainer = quiet_trainer(
         accelerator="cpu",
@@ -158,11 +160,20 @@ def main() -> None:
     p.add_argument("--reduce-op", default="avg")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--fault", choices=["kill", "raise", "commit"], default="kill")
+    p.add_argument("--no-scale-lr", dest="scale_lr", action="store_false")
     a = p.parse_args()
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
     if trainer.global_rank == 0:
-        save_fitted(a.out, trainer, model, resumed_from=strategy.resumed_from, attempt=model.attempt)
+        save_fitted(
+            a.out,
+            trainer,
+            model,
+            resumed_from=strategy.resumed_from,
+            attempt=model.attempt,
+            lr=trainer.optimizers[0].param_groups[0]["lr"],
+            lr_factor=strategy.lr_factor,
+        )
 
 
 if __name__ == "__main__":
