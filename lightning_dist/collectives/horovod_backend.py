@@ -153,7 +153,10 @@ class HorovodBackend(Backend):
 
     @override
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=src)
+        # Horovod names the broadcast after type(obj) by default: a source passing a list and the
+        # other ranks passing None would post differently named ops and hang. One fixed name works
+        # because object broadcasts run one at a time.
+        return self.hvd.broadcast_object(obj, root_rank=src, name="lightning_dist.broadcast_object")
 
     def _gather(self, work: Tensor) -> int:
         """Start Horovod's all-gather of a contiguous tensor (rank order along dim 0)."""

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_dist import collectives
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
+from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
 from lightning_dist.strategies.options import (
     check_bool,
@@ -139,6 +140,13 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             self.world_size,
             self._get_process_group_backend(),
         )
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        # before DistributedDataParallel (or, outside fit, the module-state broadcast) touches the model
+        assert self.model is not None
+        check_same_model(self.model, type(self).__name__)
+        super().setup(trainer)
 
     def _process_group_kwargs(self) -> dict[str, Any]:
         """Extra ``init_process_group`` arguments (a subclass may pass a ``store``)."""

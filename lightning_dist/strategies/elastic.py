@@ -42,6 +42,7 @@ from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticS
 from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.launch.torchelastic import attempt_store
 from lightning_dist.strategies.compressed import Compressed
+from lightning_dist.strategies.model_check import check_same_model
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +261,14 @@ class Elastic(Compressed):
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint  # Lightning restores it next
         self.resumed_from = commit.step
         logger.debug("Elastic: resuming from the commit of step %d (%s)", commit.step, commit.path)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        # a resumed run loads the commit before setup() compares the ranks' models: compare first,
+        # so a rank with another model gets the same clear error as every other rank
+        assert self.lightning_module is not None
+        check_same_model(self.lightning_module, type(self).__name__)
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

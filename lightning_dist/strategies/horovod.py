@@ -27,6 +27,7 @@ from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.metric_sync import route_metric_sync
+from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.options import check_choice, reject_unknown_options
 
 logger = logging.getLogger(__name__)
@@ -170,6 +171,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         assert self.model is not None
+        check_same_model(self.model, type(self).__name__)
         self._broadcast_module_state()
         metrics = route_metric_sync(self.model)
         logger.debug("%s: model broadcast from rank 0; %d torchmetrics routed", type(self).__name__, metrics)
