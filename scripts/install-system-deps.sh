@@ -12,6 +12,7 @@ command -v srun >/dev/null || missing+=(slurm-client)
 command -v slurmctld >/dev/null || missing+=(slurmctld)
 command -v slurmd >/dev/null || missing+=(slurmd)
 command -v munged >/dev/null || missing+=(munge)
+{ command -v ip && command -v tc; } >/dev/null || missing+=(iproute2)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

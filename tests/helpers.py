@@ -57,8 +57,13 @@ def run_command(cmd: list[str], timeout: float, **env: str) -> subprocess.Comple
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        kill_tree(proc.pid)  # also descendants in other sessions (torchrun's workers)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # something outside the tree still holds the pipes
+            out, err = "", "(output lost: the pipes stayed open after the kill)"
         raise AssertionError(
             f"{' '.join(cmd)} killed after {timeout}s\n{out[-3000:]}\n{err[-5000:]}"
         ) from exc

@@ -1,0 +1,62 @@
+"""Fit the tiny workload with ``DDP()`` or ``Compressed("powersgd")``; each rank saves its final weights.
+
+One host:       python tests/scripts/netns_train.py --strategy DDP --devices 2 --out DIR
+Two nodes:      (in each namespace, with MASTER_ADDR, MASTER_PORT, NODE_RANK, GLOO_SOCKET_IFNAME)
+                python tests/scripts/netns_train.py --strategy DDP --devices 1 --num-nodes 2 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning as L
+import torch
+from rank_io import save_fitted
+
+import lightning_dist
+from lightning_dist import collectives
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload.trainer import quiet_trainer
+
+STRATEGIES = {
+    "DDP": lambda: lightning_dist.DDP(),
+    "powersgd": lambda: lightning_dist.Compressed("powersgd"),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="DDP")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(7, verbose=False)
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=a.devices,
+        num_nodes=a.num_nodes,
+        strategy=STRATEGIES[a.strategy](),
+        max_steps=a.max_steps,
+        limit_val_batches=0,
+        deterministic=True,
+    )
+    trainer.fit(model)
+    save_fitted(
+        a.out,
+        trainer,
+        model,
+        node_rank=trainer.node_rank,
+        master_addr=os.environ.get("MASTER_ADDR"),
+        gloo_ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+        train_loss=float(trainer.callback_metrics["train_loss"]),
+    )
+
+
+if __name__ == "__main__":
+    main()
+    collectives.shutdown()  # exit cleanly: no process group left to finalisation
