@@ -3,7 +3,8 @@
 Module-level functions act on the *current* communicator: the one a strategy installed with
 ``use``, else the default torch.distributed world group when one is initialised, else the
 single-process twin. Every call counts bytes and seconds; read them with ``stats()`` and zero them
-with ``reset_stats()``.
+with ``reset_stats()``. A collective that outlives the process group's timeout raises
+``CollectiveTimeout``, naming the collective and the timeout.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from lightning_dist.collectives.backend import REDUCE_OPS, Backend, check_reduce
 from lightning_dist.collectives.communicator import PROCESS_STATS, Communicator, TensorOrList
 from lightning_dist.collectives.completer import stop_all
 from lightning_dist.collectives.single import SingleProcessBackend
+from lightning_dist.collectives.timeouts import CollectiveTimeout, explain
 from lightning_dist.collectives.torch_backend import TorchBackend
 
 __all__ = [
     "REDUCE_OPS",
     "Backend",
+    "CollectiveTimeout",
     "CommStats",
     "Communicator",
     "OpStats",
@@ -42,6 +45,7 @@ __all__ = [
     "broadcast_object",
     "check_reduce_op",
     "current",
+    "explain_timeout",
     "reduce_scatter",
     "reduce_scatter_async",
     "release",
@@ -149,6 +153,22 @@ def release() -> None:
     use(None)
     _default = None
     stop_all()
+
+
+def explain_timeout(exception: BaseException) -> bool:
+    """A strategy's ``on_exception``: when ``exception`` reports a timed-out collective, rewrite its
+    message (in place; the type stays) to name the collective, the transport, its configured timeout
+    and what to do. It covers what reaches Lightning as a plain ``RuntimeError``: a
+    ``CollectiveTimeout`` re-wrapped by torch (a DDP comm hook's future) and a timeout in a
+    collective that bypasses this module (torch DDP's buffer broadcast). Returns whether it was one."""
+    comm = _installed if _installed is not None else _default
+    context: dict[str, Any] = {}
+    try:
+        if comm is not None and comm.world_size > 1:
+            context = comm.timeout_context()
+    except Exception:  # noqa: BLE001  (a broken transport: explain without it)
+        context = {}
+    return explain(exception, **context)
 
 
 def shutdown() -> None:

@@ -37,6 +37,7 @@ from lightning_dist.collectives.adasum import adasum_all_reduce
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
 from lightning_dist.collectives.completer import Completer
 from lightning_dist.collectives.futures import completed_future, forward
+from lightning_dist.collectives.timeouts import naming_timeouts
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,18 @@ PROCESS_STATS = CommStats()
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _describe(tensor: TensorOrList, op: str = "") -> str:
+    """What a collective moves, for its timeout message: ``sum, 1234 float32 elements`` (a list:
+    ``..., in 3 tensors``)."""
+    tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
+    dtype = str(tensors[0].dtype).removeprefix("torch.") + " " if tensors else ""
+    n = sum(t.numel() for t in tensors)
+    size = f"{n} {dtype}element{'' if n == 1 else 's'}"
+    if len(tensors) > 1:
+        size += f" in {len(tensors)} tensors"
+    return f"{op}, {size}" if op else size
 
 
 def _settled(fut: Future) -> Future:
@@ -171,25 +184,50 @@ class Communicator:
         return self.backend.world_size
 
     # -- accounting -------------------------------------------------------------------------
-    def _timed(self, op: str, sent: int, received: int, fut: Future) -> Future:
-        """Count ``sent``/``received`` bytes under ``op`` now and the seconds until ``fut`` completes."""
+    def timeout_context(self) -> dict[str, Any]:
+        """What a ``CollectiveTimeout`` says about the transport: its name, its configured timeout
+        (a backend's ``timeout_s``, when it has one) and this rank. Plain values only: see ``_timed``."""
+        backend = self.backend
+        return {
+            "transport": str(getattr(backend, "transport", backend.name)),
+            "timeout_s": getattr(backend, "timeout_s", None),
+            "rank": backend.rank,
+            "world_size": backend.world_size,
+        }
+
+    def _wait(self, fut: Future, op: str, detail: str = "") -> Any:
+        """``fut.wait()``, a timeout raised as ``CollectiveTimeout`` (torch re-wraps an exception
+        raised in a future callback as a plain ``RuntimeError``; this gives blocking calls the type)."""
+        with naming_timeouts(op, detail=detail, **self.timeout_context()):
+            return fut.wait()
+
+    def _timed(self, op: str, sent: int, received: int, fut: Future, detail: str = "") -> Future:
+        """Count ``sent``/``received`` bytes under ``op`` now and the seconds until ``fut`` completes.
+
+        A timeout reported by the transport fails the returned future with a ``CollectiveTimeout``
+        naming ``op`` (with ``detail``), the transport and its configured timeout.
+        """
         if self.world_size <= 1:
             sent = received = 0
         start = time.perf_counter()
         stats = self.stats
         stats.add(op, sent, received)
+        context = self.timeout_context()
 
         # The callback must not hold the communicator: if it dropped the last reference to a
         # process group inside that group's own worker thread, the group's destructor would abort.
         def _done(f: Future) -> Any:
             stats.add_time(op, time.perf_counter() - start)
-            return f.value()
+            with naming_timeouts(op, detail=detail, **context):
+                return f.value()
 
         return fut.then(_done)
 
-    def _post(self, op: str, sent: int, received: int, start: Callable[[], Future]) -> Future:
+    def _post(
+        self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
+    ) -> Future:
         """Post ``start()`` in call order and account for it."""
-        return self._order.post(lambda: self._timed(op, sent, received, start()))
+        return self._order.post(lambda: self._timed(op, sent, received, start(), detail))
 
     def count(self, op: str, sent: int, received: int, seconds: float = 0.0) -> None:
         """Add bytes moved by a caller-driven exchange (compound algorithms such as Adasum)."""
@@ -215,7 +253,9 @@ class Communicator:
         if single:
             t = tensors[0]
             nbytes = self._all_reduce_bytes(t)
-            return self._post("all_reduce", nbytes, nbytes, lambda: backend.all_reduce(t, op))
+            return self._post(
+                "all_reduce", nbytes, nbytes, lambda: backend.all_reduce(t, op), _describe(t, op)
+            )
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
         nbytes = self._all_reduce_bytes(flat)
 
@@ -228,14 +268,19 @@ class Communicator:
                 offset += n
             return tensors
 
-        return self._post("all_reduce", nbytes, nbytes, lambda: backend.all_reduce(flat, op)).then(_unflatten)
+        detail = _describe(tensors, op)
+        return self._post("all_reduce", nbytes, nbytes, lambda: backend.all_reduce(flat, op), detail).then(
+            _unflatten
+        )
 
     def all_reduce(self, tensor: TensorOrList, op: str = "sum") -> Any:
-        return self.all_reduce_async(tensor, op).wait()
+        fut = self.all_reduce_async(tensor, op)
+        return self._wait(fut, "all_reduce", _describe(tensor, check_reduce_op(op)))
 
     def _adasum(self, tensors: list[Tensor]) -> list[Tensor]:
-        native = self.backend.native_adasum(self, tensors)
-        return native if native is not None else adasum_all_reduce(self, tensors)
+        with naming_timeouts("all_reduce", detail=_describe(tensors, "adasum"), **self.timeout_context()):
+            native = self.backend.native_adasum(self, tensors)
+            return native if native is not None else adasum_all_reduce(self, tensors)
 
     # -- broadcast ----------------------------------------------------------------------------
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Future:
@@ -244,10 +289,13 @@ class Communicator:
         n = _nbytes(tensor)
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
         backend = self.backend
-        return self._post("broadcast", sent, received, lambda: backend.broadcast(tensor, src))
+        detail = f"{_describe(tensor)} from rank {src}"
+        return self._post("broadcast", sent, received, lambda: backend.broadcast(tensor, src), detail)
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> Tensor:
-        return self.broadcast_async(tensor, src).wait()
+        return self._wait(
+            self.broadcast_async(tensor, src), "broadcast", f"{_describe(tensor)} from rank {src}"
+        )
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Broadcast any picklable object from ``src``; counted as its pickled size plus 8 bytes."""
@@ -255,7 +303,8 @@ class Communicator:
             return obj
         self._order.wait()
         start = time.perf_counter()
-        result = self.backend.broadcast_object(obj, src)
+        with naming_timeouts("broadcast_object", detail=f"from rank {src}", **self.timeout_context()):
+            result = self.backend.broadcast_object(obj, src)
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
         self.stats.add("broadcast_object", sent, received, time.perf_counter() - start)
@@ -277,7 +326,7 @@ class Communicator:
         backend = self.backend
         if same_shape:
             n = (w - 1) * _nbytes(tensor)
-            return self._post("all_gather", n, n, lambda: backend.all_gather(tensor))
+            return self._post("all_gather", n, n, lambda: backend.all_gather(tensor), _describe(tensor))
         shape = torch.tensor(list(tensor.shape), dtype=torch.int64)
         shape_bytes = (w - 1) * _nbytes(shape)
         rest = tuple(tensor.shape[1:])
@@ -297,20 +346,24 @@ class Communicator:
                 padded = torch.zeros((longest, *rest), dtype=tensor.dtype, device=tensor.device)
                 padded[: tensor.shape[0]] = tensor
             n = (w - 1) * _nbytes(padded)
-            fut = self._timed("all_gather", n, n, backend.all_gather(padded))
+            fut = self._timed("all_gather", n, n, backend.all_gather(padded), _describe(padded))
             if tensor.dim() == 0:
                 return fut
             return fut.then(lambda f: [g[:length] for g, length in zip(f.value(), lengths)])
 
         return self._order.post_two_stage(
             lambda: self._timed(
-                "all_gather", shape_bytes, shape_bytes, backend.all_gather(backend.to_transport_device(shape))
+                "all_gather",
+                shape_bytes,
+                shape_bytes,
+                backend.all_gather(backend.to_transport_device(shape)),
+                f"shape exchange before {_describe(tensor)}",
             ),
             _gather_padded,
         )
 
     def all_gather(self, tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
-        return self.all_gather_async(tensor, same_shape).wait()
+        return self._wait(self.all_gather_async(tensor, same_shape), "all_gather", _describe(tensor))
 
     # -- reduce_scatter -----------------------------------------------------------------------
     def reduce_scatter_async(self, tensor: TensorOrList, op: str = "sum") -> Future:
@@ -336,10 +389,14 @@ class Communicator:
         inputs = [t.contiguous() for t in inputs]
         moved = (w - 1) * sum(_nbytes(t) for t in inputs) // w
         backend = self.backend
-        return self._post("reduce_scatter", moved, moved, lambda: backend.reduce_scatter(output, inputs, op))
+        detail = _describe(tensor, op)
+        return self._post(
+            "reduce_scatter", moved, moved, lambda: backend.reduce_scatter(output, inputs, op), detail
+        )
 
     def reduce_scatter(self, tensor: TensorOrList, op: str = "sum") -> Tensor:
-        return self.reduce_scatter_async(tensor, op).wait()
+        fut = self.reduce_scatter_async(tensor, op)
+        return self._wait(fut, "reduce_scatter", _describe(tensor, check_reduce_op(op)))
 
     # -- all_to_all ---------------------------------------------------------------------------
     def all_to_all_async(self, inputs: Sequence[Tensor]) -> Future:
@@ -362,6 +419,7 @@ class Communicator:
         recv_len = [backend.to_transport_device(torch.empty(1, dtype=torch.int64)) for _ in range(w)]
         ref = inputs[rank]
         rest = tuple(ref.shape[1:])
+        detail = _describe(inputs)
 
         def _exchange(received_len: list[Tensor]) -> Future:
             rows = [int(n.item()) for n in received_len]
@@ -370,31 +428,38 @@ class Communicator:
             ]
             sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != rank)
             received = sum(_nbytes(t) for j, t in enumerate(outputs) if j != rank)
-            return self._timed("all_to_all", sent, received, backend.all_to_all(outputs, inputs))
+            return self._timed("all_to_all", sent, received, backend.all_to_all(outputs, inputs), detail)
 
         return self._order.post_two_stage(
             lambda: self._timed(
-                "all_to_all", (w - 1) * 8, (w - 1) * 8, backend.all_to_all(recv_len, send_len)
+                "all_to_all",
+                (w - 1) * 8,
+                (w - 1) * 8,
+                backend.all_to_all(recv_len, send_len),
+                f"row-count exchange before {detail}",
             ),
             _exchange,
         )
 
     def all_to_all(self, inputs: Sequence[Tensor]) -> list[Tensor]:
-        return self.all_to_all_async(inputs).wait()
+        return self._wait(self.all_to_all_async(inputs), "all_to_all", _describe(list(inputs)))
 
     # -- point to point and barrier ---------------------------------------------------------------
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
         backend = self.backend
-        return self._post("send", _nbytes(tensor), 0, lambda: backend.send(tensor, dst, tag))
+        detail = f"{_describe(tensor)} to rank {dst}, tag {tag}"
+        return self._post("send", _nbytes(tensor), 0, lambda: backend.send(tensor, dst, tag), detail)
 
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
         backend = self.backend
-        return self._post("recv", 0, _nbytes(tensor), lambda: backend.recv(tensor, src, tag))
+        detail = f"{_describe(tensor)} from rank {src}, tag {tag}"
+        return self._post("recv", 0, _nbytes(tensor), lambda: backend.recv(tensor, src, tag), detail)
 
     def barrier(self) -> None:
         if self.world_size == 1:
             return
         self._order.wait()
         start = time.perf_counter()
-        self.backend.barrier()
+        with naming_timeouts("barrier", **self.timeout_context()):
+            self.backend.barrier()
         self.stats.add("barrier", 0, 0, time.perf_counter() - start)

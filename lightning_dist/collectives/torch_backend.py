@@ -11,6 +11,8 @@ send/recv are completed by one ``Completer`` thread per backend.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -30,6 +32,45 @@ _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.Re
 def _first(fut: Future) -> Any:
     value = fut.value()
     return value[0] if isinstance(value, list) else value
+
+
+def _then(work: Any, result: Callable[[], Any]) -> Future:
+    """``work``'s future, completed with ``result()``; the work's own error, if any, fails it
+    instead (a callback that never reads its future's value would drop that error: a timed-out
+    all_gather would deliver uninitialised buffers)."""
+
+    def _done(fut: Future) -> Any:
+        fut.value()  # raises the work's error
+        return result()
+
+    return work.get_future().then(_done)
+
+
+def group_timeout_s(group: Any, device_type: str = "cpu") -> Optional[float]:
+    """The timeout ``group`` was made with, in seconds (``init_process_group(timeout=...)``, a
+    ``ProcessGroupGloo(store, rank, size, timeout)``), or ``None`` where torch does not tell.
+
+    torch keeps it in the backend object's ``options._timeout``: a ``ProcessGroupGloo`` or
+    ``ProcessGroupNCCL`` has ``options``; a ``ProcessGroup`` (what ``init_process_group`` makes)
+    reaches its backend for a device through ``_get_backend``.
+    """
+    candidates = [group]
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is not None:
+        for device in dict.fromkeys((device_type, "cpu", "cuda")):
+            try:
+                candidates.append(get_backend(torch.device(device)))
+            except (RuntimeError, ValueError, TypeError):
+                continue  # no backend for that device type
+    for candidate in candidates:
+        try:
+            options = getattr(candidate, "options", None)
+            timeout = getattr(options, "_timeout", None) or getattr(options, "timeout", None)
+        except RuntimeError:
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout.total_seconds()
+    return None
 
 
 def _reduce_into(output: Tensor, parts: list[Tensor], op: str) -> Tensor:
@@ -60,9 +101,21 @@ class TorchBackend(Backend):
             group = dist.group.WORLD
         assert group is not None
         self.group: Any = group
-        self._device_type = self._detect_device_type()
+        self.transport = self._detect_transport()
+        """The process group's backend (``gloo``, ``nccl``): named by a ``CollectiveTimeout``."""
+        self._device_type = "cuda" if "nccl" in self.transport else "cpu"
+        self.timeout_s: Optional[float] = group_timeout_s(group, self._device_type)
+        """The group's configured timeout in seconds, named by a ``CollectiveTimeout``; read from
+        the group (torch keeps it in the backend's options), ``None`` where torch does not tell."""
         self._completer = Completer(f"torch-p2p-rank{group.rank()}")
-        logger.debug("TorchBackend: rank %d of %d on %s", group.rank(), group.size(), self._device_type)
+        logger.debug(
+            "TorchBackend: rank %d of %d on %s (%s, timeout %s s)",
+            group.rank(),
+            group.size(),
+            self._device_type,
+            self.transport,
+            self.timeout_s,
+        )
 
     @property
     @override
@@ -79,13 +132,13 @@ class TorchBackend(Backend):
     def device_type(self) -> str:
         return self._device_type
 
-    def _detect_device_type(self) -> str:
+    def _detect_transport(self) -> str:
         name: str
         try:
             name = str(dist.get_backend(self.group))
         except (RuntimeError, ValueError):
             name = str(self.group.name()) if hasattr(self.group, "name") else "gloo"
-        return "cuda" if "nccl" in name.lower() else "cpu"
+        return name.lower()
 
     @override
     def all_reduce(self, tensor: Tensor, op: str) -> Future:
@@ -109,7 +162,7 @@ class TorchBackend(Backend):
     def all_gather(self, tensor: Tensor) -> Future:
         outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]]
         work = self.group.allgather(outputs, [tensor])
-        return work.get_future().then(lambda _: outputs[0])
+        return _then(work, lambda: outputs[0])
 
     @override
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
@@ -121,7 +174,7 @@ class TorchBackend(Backend):
             opts = dist.ReduceScatterOptions()
             opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
             work = self.group.reduce_scatter([output], [inputs], opts)
-            return work.get_future().then(lambda _: output)
+            return _then(work, lambda: output)
         # Gloo: chunk j goes to rank j, which reduces the W chunks it receives in rank order; this
         # sends the (W - 1) N / W bytes of a ring reduce-scatter.
         w = self.world_size  # callbacks must not hold the backend (see Communicator._timed)
@@ -130,7 +183,7 @@ class TorchBackend(Backend):
         work = self.group.alltoall_base(
             recv, send, [output.numel()] * w, [t.numel() for t in inputs], dist.AllToAllOptions()
         )
-        return work.get_future().then(lambda _: _reduce_into(output, list(recv.chunk(w)), op))
+        return _then(work, lambda: _reduce_into(output, list(recv.chunk(w)), op))
 
     @override
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
@@ -140,7 +193,7 @@ class TorchBackend(Backend):
         work = self.group.alltoall_base(
             recv, send, [rows(t) for t in outputs], [rows(t) for t in inputs], dist.AllToAllOptions()
         )
-        return work.get_future().then(lambda _: split_rows(recv, outputs))
+        return _then(work, lambda: split_rows(recv, outputs))
 
     @override
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
@@ -152,7 +205,7 @@ class TorchBackend(Backend):
 
     def _p2p_future(self, work: Any, tensor: Tensor) -> Future:
         if self.device_type == "cuda":
-            return work.get_future().then(lambda _: tensor)
+            return _then(work, lambda: tensor)
         return self._completer.submit(work.wait, lambda _: tensor)
 
     @override

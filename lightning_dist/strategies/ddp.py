@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional
@@ -13,6 +14,7 @@ from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -176,6 +178,15 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         if module is not None and module._current_fx_name is not None:
             module.log("skipped_nonfinite_steps", float(guard.skipped), on_step=True, on_epoch=False)
         return result
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        collectives.explain_timeout(exception)  # name a timed-out collective and the timeout
+        if isinstance(self.launcher, _SubprocessScriptLauncher):
+            # rank 0 of Lightning's launcher: its child ranks (a stopped one cannot act on a
+            # signal it would catch) must not outlive it
+            self.launcher.kill(signal.SIGKILL)
+        super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
