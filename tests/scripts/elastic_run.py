@@ -122,6 +122,7 @@ def fit(
     step_sleep: float = 0.0,
     fault: str = "kill",
     scale_lr: bool = True,
+    accelerator: str = "cpu",
 ) -> tuple[L.Trainer, Logged, Elastic]:
     """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
     torch.set_num_threads(1)
@@ -138,7 +139,7 @@ def fit(
         scale_lr=scale_lr,
     )
     trainer = quiet_trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=strategy,
         max_steps=max_steps,
@@ -161,6 +162,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--fault", choices=["kill", "raise", "commit"], default="kill")
     p.add_argument("--no-scale-lr", dest="scale_lr", action="store_false")
+    p.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device per worker, NCCL")
     a = p.parse_args()
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
