@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import uuid
 from collections.abc import Callable
 from typing import Any, Optional
@@ -9,6 +10,7 @@ from typing import Any, Optional
 from lightning_dist.checks import check_choice, check_int
 
 START_METHODS = ("fork", "spawn")
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def run_elastic(
@@ -46,4 +48,10 @@ def run_elastic(
         max_restarts=max_restarts,
         start_method=start_method,
     )
-    return elastic_launch(config, fn)(*args)
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
+    try:
+        return elastic_launch(config, fn)(*args)
+    finally:  # the agent installs its own handlers in this process and leaves them behind
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)

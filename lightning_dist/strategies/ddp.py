@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.launch.fork_check import checked_launcher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
 from lightning_dist.strategies.model_check import check_same_model
@@ -116,6 +117,12 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     @override
     def is_distributed(self) -> bool:
         return True
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        # fork: refuse when CUDA is already initialised; under torchrun/run_elastic/SLURM: no relaunch
+        self._launcher = checked_launcher(self, self._launcher, type(self).__name__)
 
     # -- gradient communication -------------------------------------------------------------------
     def _make_hook_state(self) -> Any:

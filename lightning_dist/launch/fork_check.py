@@ -1,0 +1,90 @@
+"""Fork launching (notebooks): a clear error when CUDA was initialised before the fork, and no second
+launch inside a process that a launcher (torchrun's agent, ``run_elastic``, SLURM, mpirun) started.
+
+In a notebook ``DDP()`` (and every strategy built on it) starts its ranks with ``fork``: the children
+are copies of the kernel, so they see everything defined in it. A process that has initialised CUDA
+cannot be forked for GPU work: the children fail with torch's "Cannot re-initialize CUDA in forked
+subprocess", raised inside each child, far from the cause. Lightning's own check
+(``_check_bad_cuda_fork``) only looks at whether the *current* process is a bad fork, so it does not
+stop the parent. ``check_fork_safe`` does, in the parent, before anything is forked.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from typing_extensions import override
+
+logger = logging.getLogger(__name__)
+
+
+def fork_unsafe_message(start_method: str, owner: str) -> str:
+    """What ``check_fork_safe`` raises: the problem, then the fixes."""
+    return (
+        f"{owner}: CUDA was initialised in this process before a fork launch (start_method="
+        f"{start_method!r}); the forked ranks could not use the GPUs (CUDA cannot be re-initialised in a "
+        "forked process). Something ran CUDA before fit: a model or tensor moved to a GPU, a call such as "
+        "torch.cuda.current_device(), get_device_name(), synchronize() or memory_allocated(), or an "
+        "earlier GPU run in this process. To fix it: in a notebook, restart the kernel and run nothing "
+        "that uses CUDA before trainer.fit (torch.cuda.device_count() and torch.cuda.is_available() are "
+        "fine; let Lightning move the model to the GPUs inside the ranks); from a script, use "
+        "start_method='popen' (the default outside notebooks; strategy='ld_ddp_popen') or "
+        "start_method='spawn' ('ld_ddp_spawn'), which start fresh processes."
+    )
+
+
+def check_fork_safe(start_method: str, owner: str, *, uses_cuda: bool = True) -> None:
+    """Raise ``RuntimeError`` naming the problem and the fixes when a ``fork`` launch of ranks that use
+    CUDA (``uses_cuda``) would follow CUDA's initialisation in this process.
+
+    ``owner`` names the strategy in the message. Other start methods ("popen", "spawn", "forkserver")
+    start fresh interpreters and pass, as does a launch whose ranks run on CPU only.
+    """
+    if start_method != "fork" or not uses_cuda:
+        return
+    if torch.cuda.is_initialized():
+        raise RuntimeError(fork_unsafe_message(start_method, owner))
+
+
+class ForkCheckedLauncher(_MultiProcessingLauncher):
+    """Lightning's multiprocessing launcher, running ``check_fork_safe`` before it starts the ranks
+    (at every ``fit``/``validate``, not at ``Trainer`` construction: CUDA may be touched in between)."""
+
+    def __init__(self, strategy: Any, start_method: Any, owner: str) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self.owner = owner
+
+    @override
+    def launch(self, function: Any, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        devices = getattr(self._strategy, "parallel_devices", None) or []
+        check_fork_safe(self._start_method, self.owner, uses_cuda=any(d.type == "cuda" for d in devices))
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+def checked_launcher(strategy: Any, launcher: Any, owner: str) -> Any:
+    """The launcher a DDP-family strategy should use in place of the one Lightning configured.
+
+    - Lightning's multiprocessing launcher (start methods fork, spawn, forkserver) in a process that
+      its cluster environment says was started by a launcher (torchrun's agent, ``run_elastic``,
+      SLURM, mpirun): None, so ``fit`` runs in this process. Launching would start a second copy of
+      every rank under it, which a restart of the agent does not reach.
+    - a ``fork`` launcher otherwise: a ``ForkCheckedLauncher`` (``check_fork_safe`` before each launch).
+    - anything else: unchanged.
+    """
+    if not isinstance(launcher, _MultiProcessingLauncher):
+        return launcher
+    environment = getattr(strategy, "cluster_environment", None)
+    if environment is not None and environment.creates_processes_externally:
+        logger.debug(
+            "%s: this process was started by %s; training runs in it (no %s launch)",
+            owner,
+            type(environment).__name__,
+            launcher._start_method,
+        )
+        return None
+    if launcher._start_method == "fork" and not isinstance(launcher, ForkCheckedLauncher):
+        return ForkCheckedLauncher(strategy, launcher._start_method, owner)
+    return launcher

@@ -1,0 +1,84 @@
+"""Fork launching: CUDA initialised before a fork launch is refused in the parent with a message that
+names the problem and the fixes; a process started by a launcher does not launch its ranks again.
+(No child process: the checks run before anything would be forked.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+
+from lightning_dist import DDP, Compressed, Elastic
+from lightning_dist.launch.fork_check import ForkCheckedLauncher, check_fork_safe, checked_launcher
+
+
+@pytest.fixture
+def cuda_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+
+
+def test_fork_after_cuda_init_names_the_problem_and_the_fixes(cuda_initialised: None) -> None:
+    with pytest.raises(RuntimeError) as info:
+        check_fork_safe("fork", "DDP")
+    message = str(info.value)
+    assert message.startswith("DDP: CUDA was initialised in this process before a fork launch")
+    assert "restart the kernel" in message
+    assert "start_method='popen'" in message and "start_method='spawn'" in message
+
+
+@pytest.mark.parametrize("start_method", ["popen", "spawn", "forkserver"])
+def test_fresh_interpreters_and_cpu_ranks_pass(cuda_initialised: None, start_method: str) -> None:
+    check_fork_safe(start_method, "DDP")
+    check_fork_safe("fork", "DDP", uses_cuda=False)
+
+
+def test_fork_passes_while_cuda_is_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    check_fork_safe("fork", "DDP")
+
+
+def _trainer(strategy: object) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: DDP(start_method="fork"), lambda: Compressed("fp16", start_method="fork")]
+)
+def test_fork_launch_of_cuda_ranks_is_refused_before_forking(cuda_initialised: None, make: object) -> None:
+    trainer = _trainer(make())  # type: ignore[operator]
+    launcher = trainer.strategy.launcher
+    assert isinstance(launcher, ForkCheckedLauncher)
+    # the launch would fork GPU ranks (tests/conftest.py fails this test if anything is forked)
+    trainer.strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(RuntimeError, match="CUDA was initialised in this process before a fork launch"):
+        launcher.launch(lambda: None)
+
+
+def test_other_start_methods_keep_lightnings_launchers() -> None:
+    assert isinstance(_trainer(DDP(start_method="popen")).strategy.launcher, _SubprocessScriptLauncher)
+    spawn = _trainer(DDP(start_method="spawn")).strategy.launcher
+    assert type(spawn) is _MultiProcessingLauncher
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_no_second_launch_in_a_process_a_launcher_started(start_method: str) -> None:
+    # torchrun's agent, run_elastic, SLURM, mpirun: the cluster environment created this process
+    strategy = SimpleNamespace(cluster_environment=SimpleNamespace(creates_processes_externally=True))
+    launcher = _MultiProcessingLauncher(strategy, start_method=start_method)  # type: ignore[arg-type]
+    assert checked_launcher(strategy, launcher, "Elastic") is None
+    strategy.cluster_environment.creates_processes_externally = False
+    checked = checked_launcher(strategy, launcher, "Elastic")
+    assert isinstance(checked, ForkCheckedLauncher) == (start_method == "fork")
+
+
+def test_under_the_elastic_agent_fit_runs_in_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # what torch's elastic agent (torchrun, run_elastic) sets in each worker it starts
+    env = {"TORCHELASTIC_RUN_ID": "t", "RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0", "WORLD_SIZE": "2",
+           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for strategy in (DDP(start_method="fork"), Elastic(start_method="fork")):
+        assert _trainer(strategy).strategy.launcher is None
