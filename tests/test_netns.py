@@ -1,6 +1,7 @@
 """The emulated cluster (``lightning_dist.launch.netns``): network namespaces joined by veth links, the tbf
 cap, teardown on errors and after crashes, and trainings across 2 nodes whose final weights equal the
-same run on one host (``DDP()``, ``Compressed("powersgd")``, ``HorovodAdasum()`` under mpirun)."""
+same run on one host (``DDP()``, ``Compressed("powersgd")``, ``HorovodAdasum()`` under mpirun, and
+``Elastic()`` under two torchrun agents with a worker killed)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import SCRIPTS, assert_same_weights, child_env, load_rank, run_command, run_script
@@ -238,3 +240,46 @@ def test_horovod_adasum_with_mpirun_across_two_nodes_equals_one_host(tmp_path: P
         w, info = load_rank(nodes, rank)
         assert info["world_size"] == 2 and info["stats"]["adasum.calls"] == 6
         assert_same_weights(w, ref, atol=0)  # bitwise: same ranks, same reduction order
+
+
+def elastic_agent_argv(cluster: EmulatedCluster, out: Path, *args: str) -> Any:
+    """One torchrun agent per node on a c10d rendezvous hosted by node 0 (at its veth address)."""
+    endpoint = f"{cluster.nodes[0].address}:29400"
+
+    def argv(node: netns.Node) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                "--rdzv-id=netns", f"--rdzv-conf=is_host={int(node.rank == 0)}",
+                f"--local-addr={node.address}",  # the shared hostname resolves to loopback
+                str(SCRIPTS / "elastic_run.py"), "--out", str(out), "--commit-every", "3",
+                "--max-steps", "12", *args]  # fmt: skip
+
+    return argv
+
+
+@slow
+@needs_netns
+def test_elastic_across_two_nodes_survives_a_kill_and_equals_one_host(tmp_path: Path) -> None:
+    """Two torchrun agents in two namespaces: the worker of node 1 is SIGKILLed after step 7, both
+    agents restart, the run resumes from the commit of step 6 and ends on the weights of the same
+    run on one host (2 workers, no fault)."""
+    host = tmp_path / "host"
+    proc = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(SCRIPTS / "elastic_run.py"), "--out", str(host), "--commit-every", "3", "--max-steps", "12"],
+        BUDGET, PYTHONPATH=str(SCRIPTS),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    nodes = tmp_path / "nodes"
+    env = child_env(PYTHONPATH=str(SCRIPTS), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    with EmulatedCluster(2, rate_mbit=1000) as cluster:
+        argv = elastic_agent_argv(cluster, nodes, "--kill-rank", "1", "--kill-step", "7")
+        results = cluster.run_each(argv, timeout=BUDGET, env=env)
+    for node, res in zip(cluster.nodes, results):
+        assert res.returncode == 0, f"node {node.rank} exited {res.returncode}\n{res.stderr[-6000:]}"
+    w, info = load_rank(nodes, 0)
+    # (the restart is a failure on node 1's agent and a membership change on node 0's, so their
+    # restart counts differ: what matters is the commit it resumed from)
+    assert info["resumed_from"] == 6 and info["global_step"] == 12, info
+    ref, _ = load_rank(host, 0)
+    assert_same_weights(w, ref, atol=1e-6)
