@@ -1,4 +1,4 @@
-"""`lightning-dist` command: demo, env check."""
+"""`lightning-dist` command: demo, env check, slurm (sbatch scripts)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     demo = sub.add_parser("demo", help="train the embedded workload with every strategy, print a table")
     demo.add_argument("--steps", type=int, default=100)
     sub.add_parser("env", help="print versions and which launchers/backends are available")
+    from lightning_dist.launch.slurm import add_parser as add_slurm_parser
+
+    add_slurm_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["slurm"]:
+        # everything after the first `--` is the training command, whatever its flags
+        cut = argv.index("--") if "--" in argv else len(argv)
+        args = parser.parse_args(argv[:cut])
+        from lightning_dist.launch.slurm import run as slurm_run
+
+        return slurm_run(args, argv[cut + 1 :])
     args, extra = parser.parse_known_args(argv)
     if args.command == "demo":
         from lightning_dist.workload.demo import main as demo_main

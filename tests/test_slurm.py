@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SCRIPTS, assert_same_weights, load_rank, run_command, run_script
+import torch
+from helpers import ROOT, SCRIPTS, assert_same_weights, child_env, load_rank, run_command, run_script
 
 pytestmark = pytest.mark.slow
 START = ROOT / "scripts" / "start-local-slurm.sh"
@@ -90,3 +97,266 @@ def test_horovod_adasum_under_srun_pmix(tmp_path: Path, slurm_conf: str) -> None
     w1, info1 = load_rank(out, 1)
     assert info0["world_size"] == 2 and info0["stats"]["adasum.calls"] == 6
     assert_same_weights(w0, w1, atol=0)
+
+
+# -- sbatch jobs written by `lightning-dist slurm` -----------------------------------------------------
+JOB_BUDGET = 150
+"""Seconds for one sbatch job to finish (a few seconds of training here; a requeue adds SLURM's kill
+wait, up to KillWait=30 s, and a restart)."""
+DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def scontrol(slurm_conf: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["scontrol", *args], capture_output=True, text=True, timeout=30, env=child_env(SLURM_CONF=slurm_conf)
+    )
+
+
+def job_fields(slurm_conf: str, job: str) -> dict[str, str]:
+    """`scontrol show job -o JOB` as a dict (JobState, Reason, Restarts, ExitCode, ...); {} once gone."""
+    proc = scontrol(slurm_conf, "show", "job", "-o", job)
+    return dict(re.findall(r"(\w+)=(\S*)", proc.stdout)) if proc.returncode == 0 else {}
+
+
+def submit_job(work: Path, slurm_conf: str, options: list[str], command: list[str]) -> tuple[str, Path, Path]:
+    """`lightning-dist slurm OPTIONS --script ... --submit -- COMMAND`: the job id, script and output file."""
+    work.mkdir(parents=True, exist_ok=True)
+    script, output = work / "job.sbatch", work / "slurm.out"
+    cli = ["lightning-dist", "slurm", *options, "--job-name", f"ld-{work.name}", "--script", str(script)]
+    cli += ["--output", str(output), "--chdir", str(work), "--submit", "--", *command]
+    proc = run_command(cli, 60, SLURM_CONF=slurm_conf)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = re.search(r"submitted job (\d+)", proc.stdout)
+    assert found, proc.stdout
+    return found.group(1), script, output
+
+
+def wait_for(what: str, check: Callable[[], bool], deadline: float, output: Path, every: float = 0.2) -> None:
+    while not check():
+        if time.monotonic() > deadline:
+            log = output.read_text()[-6000:] if output.exists() else "(no output yet)"
+            raise AssertionError(f"timed out waiting for {what}; job output:\n{log}")
+        time.sleep(every)
+
+
+def wait_done(slurm_conf: str, job: str, output: Path, deadline: float, restarts: int = 0) -> dict[str, str]:
+    """Poll until the job has finished (after ``restarts`` requeues); a requeued job waits on
+    ``BeginTime`` (SLURM holds it 121 s), which is lifted with ``scontrol update StartTime=now``."""
+    fields: dict[str, str] = {}
+
+    def finished() -> bool:
+        nonlocal fields
+        fields = job_fields(slurm_conf, job)
+        if fields.get("JobState") == "PENDING" and fields.get("Reason") == "BeginTime":
+            scontrol(slurm_conf, "update", f"JobId={job}", "StartTime=now")
+        return fields.get("JobState") in DONE and int(fields.get("Restarts", "0")) >= restarts
+
+    wait_for(f"job {job} to finish", finished, deadline, output, every=0.5)
+    return fields
+
+
+@contextlib.contextmanager
+def cancelled(slurm_conf: str, jobs: list[str]) -> Iterator[None]:
+    """Whatever happens in the test, the jobs end with it."""
+    try:
+        yield
+    finally:
+        for job in jobs:
+            subprocess.run(
+                ["scancel", job], capture_output=True, timeout=30, env=child_env(SLURM_CONF=slurm_conf)
+            )
+
+
+def assert_completed(fields: dict[str, str], output: Path) -> None:
+    log = output.read_text()[-6000:] if output.exists() else "(no output)"
+    assert fields.get("JobState") == "COMPLETED" and fields.get("ExitCode") == "0:0", f"{fields}\n{log}"
+
+
+def test_sbatch_ddp_job_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
+    popen = tmp_path / "popen"
+    run_script([str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--max-steps", "4", "--out", str(popen)],
+               timeout=BUDGET)  # fmt: skip
+    out = tmp_path / "sbatch" / "out"
+    deadline = time.monotonic() + JOB_BUDGET
+    job, script, output = submit_job(
+        tmp_path / "sbatch",
+        slurm_conf,
+        ["--nodes", "1", "--devices", "2", "--strategy", "DDP"],
+        [
+            sys.executable,
+            str(SCRIPTS / "ddp_run.py"),
+            "--strategy",
+            "ld_ddp",
+            "--max-steps",
+            "4",
+            "--out",
+            str(out),
+        ],
+    )
+    with cancelled(slurm_conf, [job]):
+        assert "srun --ntasks-per-node=2 --kill-on-bad-exit=1" in script.read_text()
+        assert_completed(wait_done(slurm_conf, job, output, deadline), output)
+    assert "SLURM auto-requeueing enabled" in output.read_text(), (
+        "Lightning should run on its SLURMEnvironment"
+    )
+    for rank in (0, 1):
+        w, info = load_rank(out, rank)
+        assert info["world_size"] == 2 and info["global_step"] == 4 and info["hook_calls"] > 0
+        assert_same_weights(w, load_rank(popen, 0)[0], atol=0)
+
+
+@pytest.mark.parametrize("mpi", ["auto", "mpirun"])
+def test_sbatch_horovod_adasum_job_matches_mpirun(tmp_path: Path, slurm_conf: str, mpi: str) -> None:
+    """`auto` picks `srun --mpi=pmix` here (srun lists pmix); `mpirun` is the fallback without it."""
+    pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
+    args = ["--strategy", "horovod_adasum", "--max-steps", "6"]
+    ref = tmp_path / "mpirun"
+    run_command_ok(
+        ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x", "PYTHONPATH",
+         "-x", "OMP_NUM_THREADS", sys.executable, str(SCRIPTS / "hvd_train.py"), *args, "--out", str(ref)],
+    )  # fmt: skip
+    out = tmp_path / "sbatch" / "out"
+    deadline = time.monotonic() + JOB_BUDGET
+    job, script, output = submit_job(
+        tmp_path / "sbatch",
+        slurm_conf,
+        ["--nodes", "1", "--devices", "2", "--strategy", "horovod_adasum", "--mpi", mpi],
+        [sys.executable, str(SCRIPTS / "hvd_train.py"), *args, "--out", str(out)],
+    )
+    with cancelled(slurm_conf, [job]):
+        expected = "srun --mpi=pmix --ntasks-per-node=2" if mpi == "auto" else "mpirun -np 2 --host"
+        assert expected in script.read_text()
+        assert_completed(wait_done(slurm_conf, job, output, deadline), output)
+    w_ref = load_rank(ref, 0)[0]
+    for rank in (0, 1):
+        w, info = load_rank(out, rank)
+        assert info["world_size"] == 2 and info["stats"]["adasum.calls"] == 6
+        assert_same_weights(w, w_ref, atol=0)
+
+
+def run_command_ok(cmd: list[str], timeout: float = BUDGET, **env: str) -> subprocess.CompletedProcess[str]:
+    proc = run_command(cmd, timeout, **env)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
+    return proc
+
+
+def test_requeued_ddp_job_resumes_from_the_hpc_checkpoint(tmp_path: Path, slurm_conf: str) -> None:
+    """SIGUSR1 to every task (what `--signal=SIGUSR1@90` sends before the time limit): Lightning saves
+    hpc_ckpt_1.ckpt at step k and requeues the job; the requeued run starts at step k and ends on the
+    weights of an uninterrupted run (no SLURM)."""
+    ref = tmp_path / "uninterrupted"
+    run_script([str(SCRIPTS / "slurm_requeue.py"), "--out", str(ref)], timeout=BUDGET)
+    work = tmp_path / "job"
+    out = work / "out"
+    deadline = time.monotonic() + JOB_BUDGET
+    job, _, output = submit_job(
+        work,
+        slurm_conf,
+        ["--nodes", "1", "--devices", "2", "--strategy", "ld_ddp"],
+        [sys.executable, str(SCRIPTS / "slurm_requeue.py"), "--out", str(out), "--step-sleep", "0.4"],
+    )
+    progress = out / "progress"
+    with cancelled(slurm_conf, [job]):
+        wait_for(
+            "step 4", lambda: progress.exists() and int(progress.read_text() or 0) >= 4, deadline, output
+        )
+        signal = subprocess.run(["scancel", "--signal=USR1", job], capture_output=True, text=True, timeout=30,
+                                env=child_env(SLURM_CONF=slurm_conf))  # fmt: skip
+        assert signal.returncode == 0, signal.stderr
+        fields = wait_done(slurm_conf, job, output, deadline, restarts=1)
+        assert_completed(fields, output)
+    log = output.read_text()
+    assert "Requeued SLURM job" in log and "run 1 on" in log, log[-4000:]
+    checkpoint = torch.load(out / "hpc_ckpt_1.ckpt", weights_only=False, map_location="cpu")
+    step = checkpoint["global_step"]
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert runs == [{"restart_count": 0, "start_step": 0}, {"restart_count": 1, "start_step": step}], runs
+    assert 4 <= step < 16
+    assert f"Restored all states from the checkpoint at {out / 'hpc_ckpt_1.ckpt'}" in log
+    for rank in (0, 1):
+        w, info = load_rank(out, rank)
+        assert info["global_step"] == 16
+        assert_same_weights(w, load_rank(ref, rank)[0], atol=0)
+
+
+def test_elastic_job_requeued_resumes_from_its_commit(tmp_path: Path, slurm_conf: str) -> None:
+    """One torchrun per node from the generated script; SIGUSR1 to the batch shell (`B:` signal) makes
+    it requeue the job, and the requeued run resumes from Elastic's last commit and ends on the weights
+    of the same run under `torchrun --standalone` (no SLURM)."""
+    args = ["--commit-every", "3", "--max-steps", "12"]
+    ref = tmp_path / "torchrun"
+    run_command_ok(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(SCRIPTS / "elastic_run.py"), "--out", str(ref), *args],
+        PYTHONPATH=str(SCRIPTS),
+    )  # fmt: skip
+    work = tmp_path / "job"
+    out = work / "out"
+    deadline = time.monotonic() + JOB_BUDGET
+    job, script, output = submit_job(
+        work,
+        slurm_conf,
+        ["--nodes", "1", "--devices", "2", "--strategy", "elastic"],
+        [sys.executable, str(SCRIPTS / "elastic_run.py"), "--out", str(out), *args, "--step-sleep", "0.4"],
+    )
+    text = script.read_text()
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "--rdzv-backend=c10d" in text
+    commits = out / "commits"
+    with cancelled(slurm_conf, [job]):
+        wait_for("Elastic's first commit", lambda: commits.exists() and any(commits.glob("commit-*.pt")),
+                 deadline, output)  # fmt: skip
+        signal = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True,
+                                timeout=30, env=child_env(SLURM_CONF=slurm_conf))  # fmt: skip
+        assert signal.returncode == 0, signal.stderr
+        fields = wait_done(slurm_conf, job, output, deadline, restarts=1)
+        assert_completed(fields, output)
+    log = output.read_text()
+    assert "requeueing job" in log and "run 1 on" in log, log[-4000:]
+    w, info = load_rank(out, 0)
+    assert info["global_step"] == 12 and info["world_size"] == 2
+    assert info["resumed_from"] is not None and info["resumed_from"] % 3 == 0 and info["resumed_from"] >= 3, (
+        info
+    )
+    assert_same_weights(w, load_rank(ref, 0)[0], atol=0)
+
+
+# -- the environment check on a real SLURM ---------------------------------------------------------
+def test_ddp_in_the_batch_script_itself_fails_fast(tmp_path: Path, slurm_conf: str) -> None:
+    """`python train.py` in an sbatch script of 2 tasks without srun: Lightning alone would wait for
+    a rank 1 that never starts; the check fails at setup."""
+    output = tmp_path / "batch.out"
+    cmd = [sys.executable, str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--out", str(tmp_path / "o")]
+    proc = run_command(
+        [
+            "sbatch",
+            "--wait",
+            "-N",
+            "1",
+            "--ntasks-per-node",
+            "2",
+            "-o",
+            str(output),
+            "--wrap",
+            shlex.join(cmd),
+        ],
+        BUDGET,
+        SLURM_CONF=slurm_conf,
+    )
+    log = output.read_text()
+    assert proc.returncode != 0, log
+    assert "ValueError: DDP: this SLURM job does not match Trainer(devices=2, num_nodes=1)" in log, log[
+        -4000:
+    ]
+    assert "is the batch script of job" in log and "srun --nodes=1 --ntasks-per-node=2" in log
+
+
+def test_horovod_under_srun_without_mpi_plugin_fails_on_every_rank(tmp_path: Path, slurm_conf: str) -> None:
+    pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
+    cmd = ["srun", "-N", "1", "--ntasks-per-node", "2", "--export", "ALL", sys.executable]
+    cmd += [str(SCRIPTS / "hvd_train.py"), "--strategy", "horovod_adasum", "--out", str(tmp_path / "o")]
+    proc = run_command(cmd, BUDGET, SLURM_CONF=slurm_conf)
+    assert proc.returncode != 0
+    reason = "srun started 2 tasks without an MPI plugin (no PMIX_RANK/PMI_RANK)"
+    assert proc.stderr.count(reason) == 2, proc.stderr[-5000:]  # both ranks, before MPI starts

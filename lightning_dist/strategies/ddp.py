@@ -132,6 +132,13 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         return collectives_hook
 
     @override
+    def setup_environment(self) -> None:
+        from lightning_dist.launch.slurm_check import check_ddp_under_slurm
+
+        check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
+        super().setup_environment()
+
+    @override
     def setup_distributed(self) -> None:
         # Lightning's DDPStrategy.setup_distributed, with ``_process_group_kwargs`` as an extension point
         reset_seed()

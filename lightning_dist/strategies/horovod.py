@@ -145,6 +145,9 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        from lightning_dist.launch.slurm_check import check_horovod_under_slurm
+
+        check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
         collectives.use(collectives.Communicator(self.backend))
         logger.debug(
             "%s: rank %d of %d on %s",
