@@ -5,6 +5,7 @@ names the problem and the fixes; a process started by a launcher does not launch
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -82,3 +83,34 @@ def test_under_the_elastic_agent_fit_runs_in_the_worker(monkeypatch: pytest.Monk
         monkeypatch.setenv(key, value)
     for strategy in (DDP(start_method="fork"), Elastic(start_method="fork")):
         assert _trainer(strategy).strategy.launcher is None
+
+
+def test_recovered_weights_are_loaded_onto_the_cpu(tmp_path: Any) -> None:
+    """Rank 0's weights come back to the launching process on the CPU: loaded with the device they
+    were saved on (CUDA on a GPU box), they would initialise CUDA there and fail the next fork launch."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
+    from lightning.pytorch.trainer.states import TrainerState
+
+    model = torch.nn.Linear(3, 2)
+    path = tmp_path / "weights.ckpt"
+    torch.save({k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()}, path)
+    strategy = DDP(start_method="fork")
+    seen: list[Any] = []
+    load = strategy.checkpoint_io.load_checkpoint
+
+    def recording_load(p: Any, map_location: Any = None) -> Any:
+        seen.append(map_location)
+        return load(p, map_location=map_location)
+
+    strategy.checkpoint_io.load_checkpoint = recording_load  # type: ignore[method-assign]
+    launcher = ForkCheckedLauncher(strategy, "fork", "DDP")
+    trainer = SimpleNamespace(
+        lightning_module=model, checkpoint_callback=None, state=None, callback_metrics={}
+    )
+    launcher.update_main_process_results = lambda trainer, extra: None  # type: ignore[method-assign]
+    launcher._recover_results_in_main_process(
+        _WorkerOutput(None, str(path), TrainerState(), None, None), trainer
+    )
+    assert seen == ["cpu"]
+    assert all(torch.equal(v, torch.full_like(v, 7.0)) for v in model.state_dict().values())
+    assert not path.exists(), "the temporary weights file is removed"

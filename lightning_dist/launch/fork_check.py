@@ -63,6 +63,19 @@ class ForkCheckedLauncher(_MultiProcessingLauncher):
         check_fork_safe(self._start_method, self.owner, uses_cuda=any(d.type == "cuda" for d in devices))
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    @override
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
+        # Lightning loads rank 0's weights with the device they were saved on: CUDA tensors would
+        # initialise CUDA in this process, and every later fork launch from it (the next fit in the
+        # notebook) would fail. Load them onto the CPU, where the model lives in this process.
+        if worker_output.weights_path is not None:
+            io = self._strategy.checkpoint_io
+            weights = io.load_checkpoint(worker_output.weights_path, map_location="cpu")
+            trainer.lightning_module.load_state_dict(weights, strict=False)
+            io.remove_checkpoint(worker_output.weights_path)
+            worker_output = worker_output._replace(weights_path=None)
+        super()._recover_results_in_main_process(worker_output, trainer)
+
 
 def checked_launcher(strategy: Any, launcher: Any, owner: str) -> Any:
     """The launcher a DDP-family strategy should use in place of the one Lightning configured.
