@@ -3,16 +3,23 @@
 Each rank's optimizer steps on its own gradients; the updates u_r = p_new - p_start are combined with
 Adasum and every rank continues from p_start + Adasum(u_0, ..., u_{W-1}). For adaptive optimizers
 (Adam, LAMB) this differs from Adasum of the gradients; for plain SGD the two coincide.
+
+Each rank's optimizer state (Adam's moments, momentum buffers) therefore differs between ranks.
+Checkpoints hold every rank's optimizer state (``CHECKPOINT_KEY``) besides Lightning's rank-0 copy, and
+a resumed run loads its own rank's, so it continues as if never stopped. A checkpoint from another world
+size, or one without that entry, loads rank 0's state on every rank (with a warning).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from typing_extensions import override
 
@@ -23,6 +30,18 @@ from lightning_dist.strategies.horovod import Horovod
 logger = logging.getLogger(__name__)
 
 ADASUM_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
+CHECKPOINT_KEY = "lightning_dist.horovod_adasum"
+"""Checkpoint entry: ``{"world_size": W, "ranks": [rank r's optimizer_states, for r < W]}``."""
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
 
 
 class HorovodAdasum(Horovod):
@@ -32,6 +51,9 @@ class HorovodAdasum(Horovod):
 
     Between optimizer steps parameters must change only through the optimizer: the starting point of
     each update is kept from the previous step (reset when a checkpoint is loaded).
+
+    Checkpoints must be saved on every rank (``trainer.save_checkpoint``, as ``ModelCheckpoint`` does):
+    each rank's optimizer state is gathered to rank 0, which writes them all.
     """
 
     strategy_name = "horovod_adasum"
@@ -97,6 +119,58 @@ class HorovodAdasum(Horovod):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
         self._start.clear()
+
+    # -- checkpoints: every rank's optimizer state ----------------------------------------------------
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Gather every rank's optimizer states into the checkpoint (called on all ranks)."""
+        if "optimizer_states" in checkpoint:
+            ranks = self.gather_optimizer_states(checkpoint["optimizer_states"])
+            if self.is_global_zero:
+                checkpoint = {**checkpoint, CHECKPOINT_KEY: {"world_size": self.world_size, "ranks": ranks}}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def gather_optimizer_states(self, states: list[Any]) -> list[Any]:
+        """On rank 0: every rank's ``states`` (on CPU), in rank order; on the others: [] (all ranks call it).
+
+        One object broadcast per rank after rank 0; a rank keeps at most one other rank's states at a time."""
+        comm = collectives.current()
+        if comm.world_size != self.world_size:
+            # ``trainer.save_checkpoint`` after ``fit``: teardown uninstalled this strategy's transport
+            comm = collectives.Communicator(self.backend)
+        own = _to_cpu(list(states))
+        ranks = [own]
+        for r in range(1, self.world_size):
+            got = comm.broadcast_object(own if self.global_rank == r else None, r)
+            if self.is_global_zero:
+                ranks.append(got)
+        return ranks if self.is_global_zero else []
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this rank's own optimizer states (rank 0's, with a warning, when the checkpoint has none
+        for this world size)."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        problem = None
+        if saved is None:
+            problem = "the checkpoint has no per-rank optimizer states (saved by an older version or another strategy)"
+        elif saved.get("world_size") != self.world_size or len(saved.get("ranks", ())) != self.world_size:
+            problem = (
+                f"the checkpoint was saved at world size {saved.get('world_size')}, "
+                f"this run has {self.world_size}"
+            )
+        if problem is None:
+            assert saved is not None
+            checkpoint = {**checkpoint, "optimizer_states": saved["ranks"][self.global_rank]}
+        else:
+            warnings.warn(
+                f"HorovodAdasum: {problem}; every rank loads rank 0's optimizer state, so the resumed run "
+                "does not continue exactly as an uninterrupted one would",
+                stacklevel=2,
+            )
+        super().load_optimizer_state_dict(checkpoint)
 
     @override
     def teardown(self) -> None:
