@@ -1,77 +1,290 @@
-"""Per-step monitoring: step time, bytes on the wire, comm time and throughput from ``collectives``."""
+"""Per-step monitoring: step time, bytes on the wire, comm time and its share, compression ratio,
+throughput and scaling efficiency, from the pack's ``collectives`` counters (every strategy of the
+pack, Horovod's included, counts there)."""
 
 from __future__ import annotations
 
+import math
 import statistics
-import time
-from typing import Any
+from collections.abc import Iterable, Mapping
+from time import perf_counter
+from typing import Any, Optional
 
 import lightning as L
 import torch
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.compression.wire import ring_all_reduce_bytes
+
+STEP_SECONDS = "perf/step_seconds"
+BYTES_SENT = "comm/bytes_sent"
+BYTES_RECEIVED = "comm/bytes_received"
+COMM_SECONDS = "comm/seconds"
+COMM_SHARE = "comm/share"
+COMPRESSION_RATIO = "comm/compression_ratio"
+SAMPLES_PER_S = "perf/samples_per_s"
+TOKENS_PER_S = "perf/tokens_per_s"
+SCALING_EFFICIENCY = "perf/scaling_efficiency"
+
+METRICS = (
+    STEP_SECONDS,
+    BYTES_SENT,
+    BYTES_RECEIVED,
+    COMM_SECONDS,
+    COMM_SHARE,
+    COMPRESSION_RATIO,
+    SAMPLES_PER_S,
+    TOKENS_PER_S,
+    SCALING_EFFICIENCY,
+)
+"""Every key ``CommMonitor`` may log (the last three and the compression ratio only where defined)."""
+
+_SUMMARY_KEYS = {
+    BYTES_RECEIVED: "bytes_received_per_step",
+    COMM_SHARE: "comm_share",
+    COMPRESSION_RATIO: "compression_ratio",
+    SAMPLES_PER_S: "samples_per_s",
+    TOKENS_PER_S: "tokens_per_s",
+    SCALING_EFFICIENCY: "scaling_efficiency",
+}
+
+
+def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    """The first tensor in ``batch`` (depth first through lists, tuples and mappings), or ``None``."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items: Iterable[Any] = ()
+    if isinstance(batch, Mapping):
+        items = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        items = batch
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_token_ids(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
 class CommMonitor(L.Callback):
-    """Records and logs, per training batch: wall time, bytes sent/received, seconds in collectives,
-    and the (rank-local) loss.
+    """Measures every optimizer step of every strategy of the pack and logs it through
+    ``pl_module.log`` (so any Lightning logger gets it; ``prog_bar`` picks the keys also shown in
+    the progress bar and in ``trainer.progress_bar_metrics``).
 
-    ``summary()`` gives medians over the steps after ``warmup`` (rank-local values).
+    A *step* is one optimizer step (a batch after which ``trainer.global_step`` has advanced,
+    with automatic or manual optimization): with gradient accumulation its micro-batches are added up (time
+    from ``on_train_batch_start`` to ``on_train_batch_end`` of each, bytes and seconds counted in
+    those windows); the values are logged on the batch that stepped, which is when Lightning sends
+    step metrics to the loggers. Logged per step:
+
+    - ``perf/step_seconds``: wall seconds of the step's batches (forward, backward, optimizer,
+      collectives; data loading between batches is not in it);
+    - ``comm/bytes_sent`` / ``comm/bytes_received``: bytes this rank sent / received through the
+      collectives during the step (every op: gradients and e.g. a ``sync_dist`` loss);
+    - ``comm/seconds``: seconds in collectives during the step as the counters add them up: each
+      collective from its posting to its completion, summed over the collectives;
+    - ``comm/share``: ``comm/seconds / perf/step_seconds``. Where collectives are in flight one
+      at a time (``DDP()`` and ``Compressed`` with one bucket) this is the share of the step spent
+      in them, in [0, 1]; where several overlap each other (Horovod posts one all-reduce per
+      gradient tensor, all in flight together) their seconds add up and the share can exceed 1;
+    - ``comm/compression_ratio``: ``comm/bytes_sent`` over the bytes a plain fp32 ring all-reduce of
+      the gradients (the trainable parameters' elements) sends per rank,
+      ``ring_all_reduce_bytes(4 * numel, world_size)``: about 1 for ``DDP()``, 0.5 for
+      ``Compressed("fp16")``; absent at world size 1 (no reference bytes);
+    - ``perf/samples_per_s``: global, ``samples x world_size / perf/step_seconds``, samples being the
+      step's batch sizes (``batch_size=`` if given, else dim 0 of each batch's first tensor);
+    - ``perf/tokens_per_s``: ``tokens x world_size / perf/step_seconds``, tokens being
+      ``samples x tokens_per_sample=`` if given, else the element count of a batch whose first
+      tensor is 2-D integer token ids; absent otherwise;
+    - ``perf/scaling_efficiency``: ``perf/samples_per_s / (world_size x single_process_samples_per_s)``
+      when ``single_process_samples_per_s=`` (one process's measured throughput) is given.
+
+    The values are rank-local (this rank's counters and clock; the global rates assume every rank
+    takes the same batch size) unless ``sync_dist=True``, which averages them over the ranks through
+    Lightning (one scalar all-reduce per key and step, after the step's window: counted in no
+    step, but in the collectives' totals). Each
+    step's values are kept in ``history``; ``summary()`` gives medians over the steps after
+    ``warmup``. ``losses`` holds the rank-local loss of every batch (micro-batch).
     """
 
-    def __init__(self, warmup: int = 3, log: bool = True) -> None:
+    def __init__(
+        self,
+        warmup: int = 3,
+        log: bool = True,
+        *,
+        batch_size: Optional[int] = None,
+        tokens_per_sample: Optional[int] = None,
+        single_process_samples_per_s: Optional[float] = None,
+        prog_bar: Iterable[str] = (SAMPLES_PER_S, COMM_SHARE),
+        sync_dist: bool = False,
+    ) -> None:
+        for name, value in (
+            ("batch_size", batch_size),
+            ("tokens_per_sample", tokens_per_sample),
+            ("single_process_samples_per_s", single_process_samples_per_s),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 (or None)")
+        prog_bar = tuple(prog_bar)
+        unknown = [k for k in prog_bar if k not in METRICS]
+        if unknown:
+            raise ValueError(f"prog_bar={list(prog_bar)}: unknown keys {unknown}; accepted: {list(METRICS)}")
         self.warmup = warmup
         self.log = log
+        self.batch_size = batch_size
+        self.tokens_per_sample = tokens_per_sample
+        self.single_process_samples_per_s = single_process_samples_per_s
+        self.prog_bar = frozenset(prog_bar)
+        self.sync_dist = sync_dist
+        # one entry per optimizer step
+        self.history: list[dict[str, float]] = []
         self.step_seconds: list[float] = []
         self.bytes_sent: list[int] = []
         self.bytes_received: list[int] = []
         self.comm_seconds: list[float] = []
         self.samples: list[int] = []
+        # one entry per batch
         self.losses: list[float] = []
+        self.gradient_numel: Optional[int] = None
         self._start = 0.0
         self._base: dict[str, float] = {}
+        self._step_before = 0
+        self._pending = self._empty()
+
+    @staticmethod
+    def _empty() -> dict[str, float]:
+        return {
+            "seconds": 0.0,
+            "sent": 0,
+            "received": 0,
+            "comm": 0.0,
+            "samples": 0,
+            "tokens": 0,
+            "batches": 0,
+        }
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.gradient_numel = self._trainable_numel(pl_module)
+        self._pending = self._empty()
+
+    @staticmethod
+    def _trainable_numel(pl_module: L.LightningModule) -> int:
+        return sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._start = time.perf_counter()
+        self._step_before = trainer.global_step
         self._base = collectives.stats().snapshot()
+        self._start = perf_counter()
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        elapsed = perf_counter() - self._start
         now = collectives.stats().snapshot()
-        elapsed = time.perf_counter() - self._start
-        sent = int(now["bytes_sent"] - self._base.get("bytes_sent", 0))
-        received = int(now["bytes_received"] - self._base.get("bytes_received", 0))
-        comm = now["seconds"] - self._base.get("seconds", 0.0)
-        self.step_seconds.append(elapsed)
-        self.bytes_sent.append(sent)
-        self.bytes_received.append(received)
-        self.comm_seconds.append(comm)
-        n = len(batch[0]) if isinstance(batch, (list, tuple)) else 0
-        self.samples.append(n)
+        pending = self._pending
+        pending["seconds"] += elapsed
+        pending["sent"] += int(now["bytes_sent"] - self._base.get("bytes_sent", 0))
+        pending["received"] += int(now["bytes_received"] - self._base.get("bytes_received", 0))
+        pending["comm"] += now["seconds"] - self._base.get("seconds", 0.0)
+        samples, tokens = self._count(batch)
+        pending["samples"] += samples
+        pending["tokens"] += tokens
+        pending["batches"] += 1
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.losses.append(float(loss.detach()))
+        if trainer.global_step == self._step_before:
+            return  # accumulating: the optimizer has not stepped yet
+        self._pending = self._empty()
+        metrics = self._step_metrics(pending, trainer.world_size, pl_module)
+        self.history.append(metrics)
+        self.step_seconds.append(metrics[STEP_SECONDS])
+        self.bytes_sent.append(int(metrics[BYTES_SENT]))
+        self.bytes_received.append(int(metrics[BYTES_RECEIVED]))
+        self.comm_seconds.append(metrics[COMM_SECONDS])
+        self.samples.append(int(pending["samples"]))
         if self.log:
-            pl_module.log_dict(
-                {"comm/bytes_sent": float(sent), "comm/seconds": comm, "perf/step_seconds": elapsed},
-                on_step=True,
-                on_epoch=False,
-                sync_dist=False,
-            )
+            for key, value in metrics.items():
+                pl_module.log(
+                    key,
+                    value,
+                    on_step=True,
+                    on_epoch=False,
+                    prog_bar=key in self.prog_bar,
+                    sync_dist=self.sync_dist,
+                    batch_size=1,
+                )
+
+    def _count(self, batch: Any) -> tuple[int, int]:
+        """(samples, tokens) in one batch on this rank; tokens 0 where unknown."""
+        first = _first_tensor(batch)
+        if self.batch_size is not None:
+            samples = self.batch_size
+        elif first is not None and first.dim() > 0:
+            samples = int(first.shape[0])
+        else:
+            samples = 0
+        if self.tokens_per_sample is not None:
+            tokens = samples * self.tokens_per_sample
+        elif first is not None and _is_token_ids(first):
+            tokens = first.numel()
+        else:
+            tokens = 0
+        return samples, tokens
+
+    def _step_metrics(
+        self, pending: dict[str, float], world_size: int, pl_module: L.LightningModule
+    ) -> dict[str, float]:
+        seconds = pending["seconds"]
+        out = {
+            STEP_SECONDS: seconds,
+            BYTES_SENT: float(pending["sent"]),
+            BYTES_RECEIVED: float(pending["received"]),
+            COMM_SECONDS: pending["comm"],
+            COMM_SHARE: pending["comm"] / seconds if seconds > 0 else 0.0,
+        }
+        if self.gradient_numel is None:
+            self.gradient_numel = self._trainable_numel(pl_module)
+        reference = ring_all_reduce_bytes(4 * self.gradient_numel, world_size)
+        if reference > 0:
+            out[COMPRESSION_RATIO] = pending["sent"] / reference
+        if seconds > 0 and pending["samples"] > 0:
+            out[SAMPLES_PER_S] = pending["samples"] * world_size / seconds
+            if pending["tokens"] > 0:
+                out[TOKENS_PER_S] = pending["tokens"] * world_size / seconds
+            if self.single_process_samples_per_s is not None:
+                out[SCALING_EFFICIENCY] = out[SAMPLES_PER_S] / (
+                    world_size * self.single_process_samples_per_s
+                )
+        return out
 
     def summary(self) -> dict[str, float]:
-        steps = self.step_seconds[self.warmup :] or self.step_seconds
-        sent = self.bytes_sent[self.warmup :] or self.bytes_sent
-        comm = self.comm_seconds[self.warmup :] or self.comm_seconds
-        return {
-            "steps": len(self.step_seconds),
-            "median_step_s": statistics.median(steps) if steps else float("nan"),
-            "bytes_sent_per_step": statistics.median(sent) if sent else 0.0,
-            "comm_s_per_step": statistics.median(comm) if comm else 0.0,
+        """Medians over the steps after ``warmup`` (all steps if there are no more): ``steps``,
+        ``median_step_s``, ``bytes_sent_per_step``, ``bytes_received_per_step``, ``comm_s_per_step``,
+        ``comm_share`` and, where logged, ``compression_ratio``, ``samples_per_s``, ``tokens_per_s``,
+        ``scaling_efficiency``."""
+        rows = self.history[self.warmup :] or self.history
+
+        def median(key: str, empty: float) -> float:
+            values = [r[key] for r in rows if key in r]
+            return statistics.median(values) if values else empty
+
+        out: dict[str, float] = {
+            "steps": len(self.history),
+            "median_step_s": median(STEP_SECONDS, math.nan),
+            "bytes_sent_per_step": median(BYTES_SENT, 0.0),
+            "comm_s_per_step": median(COMM_SECONDS, 0.0),
         }
+        for key, name in _SUMMARY_KEYS.items():
+            if any(key in r for r in rows) or key in (BYTES_RECEIVED, COMM_SHARE):
+                out[name] = median(key, 0.0)
+        return out

@@ -3,7 +3,8 @@
 Module-level functions act on the *current* communicator: the one a strategy installed with
 ``use``, else the default torch.distributed world group when one is initialised, else the
 single-process twin. Every call counts bytes and seconds; read them with ``stats()`` and zero them
-with ``reset_stats()``. A collective that outlives the process group's timeout raises
+with ``reset_stats()``; ``trace.recording()`` records each call (op, bytes, start and end) for
+``callbacks.Timeline``. A collective that outlives the process group's timeout raises
 ``CollectiveTimeout``, naming the collective and the timeout.
 """
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_dist.collectives import trace
 from lightning_dist.collectives.accounting import CommStats, OpStats, ring_all_reduce_bytes
 from lightning_dist.collectives.backend import REDUCE_OPS, Backend, check_reduce_op
 from lightning_dist.collectives.communicator import PROCESS_STATS, Communicator, TensorOrList
@@ -53,6 +55,7 @@ __all__ = [
     "shutdown",
     "ring_all_reduce_bytes",
     "stats",
+    "trace",
     "use",
 ]
 

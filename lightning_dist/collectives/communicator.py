@@ -12,6 +12,9 @@ Wire model for the byte counters (per rank, N = payload bytes, W = world size):
   adasum          what the recursive halving/doubling exchange really sends (see adasum.py)
 At world size 1 every count is zero. Seconds run from posting an operation to its completion.
 
+Tracing (``collectives.trace``): while a recorder is active, every operation is also recorded with
+its op, bytes, posting and completion times and posting thread; off, it costs one ``None`` check.
+
 Ranks must post collectives in the same order. Two calls post their data exchange from a callback,
 once a shape exchange has completed (``all_gather`` of unequal shapes, ``all_to_all``); later calls
 on the same communicator are held back until then, so every rank still posts in call order.
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
+from lightning_dist.collectives import trace as _trace
 from lightning_dist.collectives.accounting import CommStats
 from lightning_dist.collectives.adasum import adasum_all_reduce
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
@@ -201,38 +205,58 @@ class Communicator:
         with naming_timeouts(op, detail=detail, **self.timeout_context()):
             return fut.wait()
 
-    def _timed(self, op: str, sent: int, received: int, fut: Future, detail: str = "") -> Future:
-        """Count ``sent``/``received`` bytes under ``op`` now and the seconds until ``fut`` completes.
+    def _timed(
+        self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
+    ) -> Future:
+        """Post ``start()``; count ``sent``/``received`` bytes under ``op`` and the seconds until its
+        future completes (and trace the call when a recorder is active).
 
         A timeout reported by the transport fails the returned future with a ``CollectiveTimeout``
         naming ``op`` (with ``detail``), the transport and its configured timeout.
         """
         if self.world_size <= 1:
             sent = received = 0
-        start = time.perf_counter()
+        rec = _trace.active
+        begin = time.perf_counter_ns()
+        fut = start()
         stats = self.stats
         stats.add(op, sent, received)
         context = self.timeout_context()
+        if rec is not None:
+            rank, world_size, thread = self.rank, self.world_size, threading.current_thread().name
 
         # The callback must not hold the communicator: if it dropped the last reference to a
         # process group inside that group's own worker thread, the group's destructor would abort.
         def _done(f: Future) -> Any:
-            stats.add_time(op, time.perf_counter() - start)
+            end = time.perf_counter_ns()
+            stats.add_time(op, (end - begin) / 1e9)
+            if rec is not None:
+                rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail)
             with naming_timeouts(op, detail=detail, **context):
                 return f.value()
 
         return fut.then(_done)
 
+    def _traced(self, op: str, sent: int, received: int, begin_ns: int, detail: str = "") -> None:
+        """Trace a blocking or caller-driven operation that ran from ``begin_ns`` until now."""
+        rec = _trace.active
+        if rec is not None:
+            rec.collective(
+                op, begin_ns, time.perf_counter_ns(), sent, received, self.rank, self.world_size, None, detail
+            )
+
     def _post(
         self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
     ) -> Future:
         """Post ``start()`` in call order and account for it."""
-        return self._order.post(lambda: self._timed(op, sent, received, start(), detail))
+        return self._order.post(lambda: self._timed(op, sent, received, start, detail))
 
     def count(self, op: str, sent: int, received: int, seconds: float = 0.0) -> None:
         """Add bytes moved by a caller-driven exchange (compound algorithms such as Adasum)."""
         if self.world_size > 1:
             self.stats.add(op, sent, received, seconds)
+            if _trace.active is not None:
+                self._traced(op, sent, received, time.perf_counter_ns() - int(seconds * 1e9))
 
     def _all_reduce_bytes(self, t: Tensor) -> int:
         return self.backend.all_reduce_bytes(_nbytes(t), t.dtype)
@@ -302,12 +326,14 @@ class Communicator:
         if self.world_size == 1:
             return obj
         self._order.wait()
-        start = time.perf_counter()
+        start = time.perf_counter_ns()
         with naming_timeouts("broadcast_object", detail=f"from rank {src}", **self.timeout_context()):
             result = self.backend.broadcast_object(obj, src)
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
-        self.stats.add("broadcast_object", sent, received, time.perf_counter() - start)
+        self.stats.add("broadcast_object", sent, received, (time.perf_counter_ns() - start) / 1e9)
+        if _trace.active is not None:
+            self._traced("broadcast_object", sent, received, start, f"from rank {src}")
         return result
 
     # -- all_gather ---------------------------------------------------------------------------
@@ -346,7 +372,7 @@ class Communicator:
                 padded = torch.zeros((longest, *rest), dtype=tensor.dtype, device=tensor.device)
                 padded[: tensor.shape[0]] = tensor
             n = (w - 1) * _nbytes(padded)
-            fut = self._timed("all_gather", n, n, backend.all_gather(padded), _describe(padded))
+            fut = self._timed("all_gather", n, n, lambda: backend.all_gather(padded), _describe(padded))
             if tensor.dim() == 0:
                 return fut
             return fut.then(lambda f: [g[:length] for g, length in zip(f.value(), lengths)])
@@ -356,7 +382,7 @@ class Communicator:
                 "all_gather",
                 shape_bytes,
                 shape_bytes,
-                backend.all_gather(backend.to_transport_device(shape)),
+                lambda: backend.all_gather(backend.to_transport_device(shape)),
                 f"shape exchange before {_describe(tensor)}",
             ),
             _gather_padded,
@@ -428,14 +454,16 @@ class Communicator:
             ]
             sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != rank)
             received = sum(_nbytes(t) for j, t in enumerate(outputs) if j != rank)
-            return self._timed("all_to_all", sent, received, backend.all_to_all(outputs, inputs), detail)
+            return self._timed(
+                "all_to_all", sent, received, lambda: backend.all_to_all(outputs, inputs), detail
+            )
 
         return self._order.post_two_stage(
             lambda: self._timed(
                 "all_to_all",
                 (w - 1) * 8,
                 (w - 1) * 8,
-                backend.all_to_all(recv_len, send_len),
+                lambda: backend.all_to_all(recv_len, send_len),
                 f"row-count exchange before {detail}",
             ),
             _exchange,
@@ -459,7 +487,9 @@ class Communicator:
         if self.world_size == 1:
             return
         self._order.wait()
-        start = time.perf_counter()
+        start = time.perf_counter_ns()
         with naming_timeouts("barrier", **self.timeout_context()):
             self.backend.barrier()
-        self.stats.add("barrier", 0, 0, time.perf_counter() - start)
+        self.stats.add("barrier", 0, 0, (time.perf_counter_ns() - start) / 1e9)
+        if _trace.active is not None:
+            self._traced("barrier", 0, 0, start)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import subprocess
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal, Optional
@@ -37,6 +40,18 @@ logger = logging.getLogger(__name__)
 PROCESS_GROUP_BACKENDS = (None, "gloo", "nccl", "mpi")
 START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
 GRADIENT_REDUCE_OPS = ("avg", "sum", "adasum")
+CHILD_EXIT_GRACE_S = 5.0
+"""Seconds rank 0 of Lightning's launcher waits, after an exception, for its child ranks to end by
+themselves before it kills them."""
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): it cannot end by itself."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class DDP(CollectiveOpsMixin, DDPStrategy):
@@ -197,8 +212,13 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         collectives.explain_timeout(exception)  # name a timed-out collective and the timeout
         if isinstance(self.launcher, _SubprocessScriptLauncher):
-            # rank 0 of Lightning's launcher: its child ranks (a stopped one cannot act on a
-            # signal it would catch) must not outlive it
+            # rank 0 of Lightning's launcher: its child ranks must not outlive it. Ranks that hit the
+            # same error end by themselves (and report it); a stopped or hung one is killed.
+            deadline = time.monotonic() + CHILD_EXIT_GRACE_S
+            for proc in self.launcher.procs:
+                if not _is_stopped(proc.pid):
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             self.launcher.kill(signal.SIGKILL)
         super().on_exception(exception)
 
