@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -22,6 +21,8 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from machine_info import machine  # benchmarks/ is on sys.path when a benchmark runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,18 +35,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed calls per implementation and size")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls per implementation and size")
     return p.parse_args(argv)
-
-
-def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cores"
 
 
 def launch(args: argparse.Namespace, argv: list[str]) -> int:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -34,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from machine_info import machine  # benchmarks/ is on sys.path when a benchmark runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,18 +50,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--worker", choices=["overhead", "recovery"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
-
-
-def machine() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cores"
 
 
 # -- workers (run under torchrun) ------------------------------------------------------------------

@@ -42,6 +42,7 @@ from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticS
 from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.launch.torchelastic import attempt_store
 from lightning_dist.strategies.compressed import Compressed
+from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.model_check import check_same_model
 
 logger = logging.getLogger(__name__)
@@ -282,21 +283,10 @@ class Elastic(Compressed):
         if rng is not None:  # on a larger world size the new ranks take the old ranks' states in turn
             restore_rng_state(rng[self.global_rank % len(rng)])
         if self.lr_factor != 1.0:
-            self._scale_learning_rates(self.lr_factor)
-
-    def _scale_learning_rates(self, factor: float) -> None:
-        """Multiply every optimizer's learning rates, and every scheduler's base rates, by ``factor``."""
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                for key in ("lr", "initial_lr"):
-                    if key in group:
-                        group[key] = group[key] * factor
-        for config in self._trainer().lr_scheduler_configs:
-            scheduler: Any = config.scheduler
-            for name in ("base_lrs", "_last_lr"):
-                if isinstance(getattr(scheduler, name, None), list):
-                    setattr(scheduler, name, [lr * factor for lr in getattr(scheduler, name)])
-        logger.info("Elastic: learning rates scaled by %.6g (plan.lr_scale, linear scaling rule)", factor)
+            scale_learning_rates(self.optimizers, self._trainer().lr_scheduler_configs, self.lr_factor)
+            logger.info(
+                "Elastic: learning rates scaled by %.6g (plan.lr_scale, linear scaling rule)", self.lr_factor
+            )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -26,6 +26,7 @@ from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
+from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.options import check_choice, reject_unknown_options
@@ -213,17 +214,8 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         return float(self.world_size) if self.op == "average" else 1.0
 
     def _scale_learning_rates(self) -> None:
-        factor = self.lr_scale_factor()
-        self.applied_lr_scale = factor
-        if factor == 1.0:
-            return
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] *= factor
-        for config in self.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if hasattr(scheduler, "base_lrs"):
-                scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+        self.applied_lr_scale = self.lr_scale_factor()
+        scale_learning_rates(self.optimizers, self.lr_scheduler_configs, self.applied_lr_scale)
 
     def _register_gradient_hooks(self) -> None:
         assert self.model is not None
