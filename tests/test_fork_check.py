@@ -114,3 +114,39 @@ def test_recovered_weights_are_loaded_onto_the_cpu(tmp_path: Any) -> None:
     assert seen == ["cpu"]
     assert all(torch.equal(v, torch.full_like(v, 7.0)) for v in model.state_dict().values())
     assert not path.exists(), "the temporary weights file is removed"
+
+
+def test_notebook_path_to_a_gpu_fork_launch_leaves_cuda_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulated 2-GPU box: seeding, building the workload's model, the Trainer with a CommMonitor and
+    ``fit`` up to the fork launch must not initialise CUDA in the kernel (the model's RNG fork used to:
+    ``fork_rng()`` reads every CUDA generator, so the first notebook fit on a GPU box failed)."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+
+    from lightning_dist.callbacks import CommMonitor
+    from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+    from lightning_dist.workload.trainer import quiet_trainer
+
+    def no_cuda_init() -> None:
+        raise AssertionError("CUDA was initialised in the kernel")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda_init)
+    monkeypatch.setattr(torch.cuda.random, "_lazy_init", no_cuda_init)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    launched: list[str] = []
+    monkeypatch.setattr(
+        _MultiProcessingLauncher, "launch", lambda self, *a, **k: launched.append(self._start_method)
+    )
+
+    L.seed_everything(7, verbose=False)
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
+    trainer = quiet_trainer(
+        accelerator="gpu",
+        devices=2,
+        strategy=DDP(start_method="fork"),
+        max_steps=2,
+        callbacks=[CommMonitor()],
+    )
+    trainer.fit(model)
+    assert launched == ["fork"]

@@ -70,8 +70,10 @@ class TinyCausalLM(L.LightningModule):
             cfg = WorkloadConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
         self.save_hyperparameters({"config": cfg.__dict__})
-        with torch.random.fork_rng():
-            torch.manual_seed(cfg.seed)
+        # CPU generator only: forking or seeding the CUDA generators would initialise CUDA in this
+        # process (a notebook kernel), and a fork launch of GPU ranks would then fail.
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(cfg.seed)
             self.embed = nn.Embedding(VOCAB_SIZE, cfg.d_model)
             self.pos = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
             layer = nn.TransformerEncoderLayer(
