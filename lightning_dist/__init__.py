@@ -1,7 +1,7 @@
 """lightning_dist: distributed-training strategies for PyTorch Lightning on one collectives layer."""
 
 from lightning_dist import collectives
-from lightning_dist.strategies import DDP, Compressed, Elastic, Horovod, HorovodAdasum
+from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, Horovod, HorovodAdasum
 
-__all__ = ["DDP", "Compressed", "Elastic", "Horovod", "HorovodAdasum", "collectives"]
+__all__ = ["DDP", "Compressed", "DiLoCo", "Elastic", "Horovod", "HorovodAdasum", "collectives"]
 __version__ = "0.1.0"

@@ -333,10 +333,10 @@ STOPS = {
 @pytest.mark.parametrize(
     ("launcher", "stop_at"),
     [
-        ("torchrun", "training_step"),
-        ("torchrun", "backward"),
-        ("torchrun", "batch_start"),
+        ("torchrun", "backward"),  # torchrun once: its agent's fixed grace makes each case 30 s longer
+        ("lightning", "training_step"),
         ("lightning", "backward"),
+        ("lightning", "batch_start"),
     ],
 )
 def test_a_stopped_rank_fails_the_others_with_the_collective_and_the_timeout(

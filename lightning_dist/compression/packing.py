@@ -7,6 +7,7 @@ uint8 tensor, so that every round is exactly one collective; each segment starts
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from typing import Optional
@@ -118,3 +119,78 @@ def generator(device: torch.device, seed: int) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
+
+
+# -- bit streams and index codes ----------------------------------------------------------------
+def bit_width(count: int) -> int:
+    """Bits that hold any integer in ``[0, count)``: ceil(log2(count)), 0 when ``count`` <= 1."""
+    return max(0, (count - 1).bit_length())
+
+
+def bit_stream_bytes(count: int, bits: int) -> int:
+    """Bytes of ``pack_uint`` of ``count`` integers of ``bits`` bits each."""
+    return -(-count * bits // 8)
+
+
+def pack_uint(values: Tensor, bits: int) -> Tensor:
+    """Integers in ``[0, 2**bits)``, shaped [*lead, n], as one little-endian bit stream per row:
+    uint8 [*lead, ceil(n * bits / 8)]; bit j of value i is bit (i*bits + j) % 8 of byte
+    (i*bits + j) // 8. Vectorised: no Python loop over elements."""
+    lead, n = values.shape[:-1], values.shape[-1]
+    nbytes = bit_stream_bytes(n, bits)
+    if nbytes == 0:
+        return torch.zeros((*lead, 0), dtype=torch.uint8, device=values.device)
+    shifts = torch.arange(bits, dtype=torch.int64, device=values.device)
+    stream = ((values.long().unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(*lead, n * bits)
+    stream = F.pad(stream, (0, nbytes * 8 - n * bits)).view(*lead, nbytes, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=values.device)
+    return (stream * weights).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack_uint(stream: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of ``pack_uint``: int64 [*lead, n] from uint8 [*lead, ceil(n * bits / 8)]."""
+    lead = stream.shape[:-1]
+    if bits == 0 or n == 0:
+        return torch.zeros((*lead, n), dtype=torch.int64, device=stream.device)
+    shifts8 = torch.arange(8, dtype=torch.uint8, device=stream.device)
+    bit = ((stream.unsqueeze(-1) >> shifts8) & 1).reshape(*lead, -1)[..., : n * bits]
+    weights = torch.ones(bits, dtype=torch.int64, device=stream.device) << torch.arange(
+        bits, dtype=torch.int64, device=stream.device
+    )
+    return (bit.view(*lead, n, bits).long() * weights).sum(dim=-1)
+
+
+def subset_count(n: int, k: int) -> int:
+    """How many k-subsets a set of n has: C(n, k)."""
+    return math.comb(n, k)
+
+
+def _binomials(n: int, k: int, device: torch.device) -> Tensor:
+    """int64 [k, n]: row i holds C(c, i + 1) for c = 0 .. n-1 (non-decreasing in c)."""
+    return torch.tensor(
+        [[math.comb(c, i + 1) for c in range(n)] for i in range(k)], dtype=torch.int64, device=device
+    )
+
+
+def subset_rank(sorted_idx: Tensor, n: int) -> Tensor:
+    """The combinatorial number of each row's k-subset of ``range(n)``: ``sorted_idx`` [*lead, k]
+    ascending -> int64 [*lead] in ``[0, C(n, k))``, sum_i C(c_i, i + 1) (colex order)."""
+    k = sorted_idx.shape[-1]
+    table = _binomials(n, k, sorted_idx.device)
+    idx = sorted_idx.long()
+    total = torch.zeros(idx.shape[:-1], dtype=torch.int64, device=idx.device)
+    for i in range(k):
+        total += table[i][idx[..., i]]
+    return total
+
+
+def subset_unrank(ranks: Tensor, n: int, k: int) -> Tensor:
+    """Inverse of ``subset_rank``: int64 [*lead] -> the ascending subsets, int64 [*lead, k]."""
+    table = _binomials(n, k, ranks.device)
+    rest = ranks.long().clone()
+    out = torch.empty((*ranks.shape, k), dtype=torch.int64, device=ranks.device)
+    for i in range(k - 1, -1, -1):  # greedy: the largest c with C(c, i + 1) <= what is left
+        c = torch.searchsorted(table[i], rest.reshape(-1), right=True).view(rest.shape) - 1
+        out[..., i] = c
+        rest -= table[i][c]
+    return out

@@ -18,8 +18,15 @@ from lightning_dist.compression.wire import all_gather_bytes
 
 def scatter_ranks(numel: int, indices: Tensor, values: Tensor) -> Tensor:
     """Sum rows of sparse (indices, values) [W, k] into a dense fp32 vector, rank by rank
-    (in rank order, so every rank gets the same bits)."""
+    (in rank order, so every rank gets the same bits). The indices of one row must be distinct.
+
+    On CPU this is one ``index_add_`` over the rows laid end to end: it adds entry by entry in that
+    order, so each position sums its ranks in rank order, bitwise as a loop over ranks would. Other
+    devices add repeated indices atomically in no fixed order, so there it is one scatter per rank
+    (distinct indices within a rank: no two writes race)."""
     out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    if values.device.type == "cpu":
+        return out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).float())
     for idx, val in zip(indices.long(), values, strict=True):
         out[idx] += val
     return out
