@@ -85,12 +85,11 @@ class CommMonitor(L.Callback):
       collectives; data loading between batches is not in it);
     - ``comm/bytes_sent`` / ``comm/bytes_received``: bytes this rank sent / received through the
       collectives during the step (every op: gradients and e.g. a ``sync_dist`` loss);
-    - ``comm/seconds``: seconds in collectives during the step as the counters add them up: each
-      collective from its posting to its completion, summed over the collectives;
-    - ``comm/share``: ``comm/seconds / perf/step_seconds``. Where collectives are in flight one
-      at a time (``DDP()`` and ``Compressed`` with one bucket) this is the share of the step spent
-      in them, in [0, 1]; where several overlap each other (Horovod posts one all-reduce per
-      gradient tensor, all in flight together) their seconds add up and the share can exceed 1;
+    - ``comm/seconds``: wall seconds of the step during which at least one collective was in
+      flight (posting to completion; collectives in flight together, such as Horovod's one
+      all-reduce per gradient tensor, count once: ``CommStats.busy_seconds``);
+    - ``comm/share``: ``comm/seconds / perf/step_seconds``, the share of the step with
+      communication in flight, in [0, 1] (time it overlapped the backward pass included);
     - ``comm/compression_ratio``: ``comm/bytes_sent`` over the bytes a plain fp32 ring all-reduce of
       the gradients (the trainable parameters' elements) sends per rank,
       ``ring_all_reduce_bytes(4 * numel, world_size)``: about 1 for ``DDP()``, 0.5 for
@@ -194,7 +193,7 @@ class CommMonitor(L.Callback):
         pending["seconds"] += elapsed
         pending["sent"] += int(now["bytes_sent"] - self._base.get("bytes_sent", 0))
         pending["received"] += int(now["bytes_received"] - self._base.get("bytes_received", 0))
-        pending["comm"] += now["seconds"] - self._base.get("seconds", 0.0)
+        pending["comm"] += now["busy_seconds"] - self._base.get("busy_seconds", 0.0)
         samples, tokens = self._count(batch)
         pending["samples"] += samples
         pending["tokens"] += tokens

@@ -7,6 +7,7 @@ are exact and comparable across backends rather than sampled from a network inte
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -41,10 +42,52 @@ def _total(name: str) -> Any:
 
 @dataclass
 class CommStats:
-    """Counters one communicator adds to on every call; read with ``snapshot`` and zero with ``reset``."""
+    """Counters one communicator adds to on every call; read with ``snapshot`` and zero with ``reset``.
+
+    ``seconds`` adds up each collective's time from posting to completion, so collectives in flight
+    together (Horovod's one all-reduce per tensor) count several times over; ``busy_seconds`` is the
+    wall time during which at least one collective was in flight (the union of those intervals), which
+    never exceeds the elapsed time.
+    """
 
     per_op: dict[str, OpStats] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _in_flight: int = field(default=0, repr=False, compare=False)
+    _busy_since_ns: int = field(default=0, repr=False, compare=False)
+    _busy_ns: int = field(default=0, repr=False, compare=False)
+
+    def enter(self, now_ns: int) -> None:
+        """A collective was posted at ``now_ns`` (``time.perf_counter_ns``)."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since_ns = now_ns
+            self._in_flight += 1
+
+    def leave(self, now_ns: int) -> None:
+        """A collective posted with ``enter`` completed at ``now_ns``."""
+        with self._lock:
+            self._in_flight = max(0, self._in_flight - 1)
+            if self._in_flight == 0:
+                self._busy_ns += max(0, now_ns - self._busy_since_ns)
+
+    def add_busy(self, seconds: float) -> None:
+        """Busy time of a caller-driven exchange (it ran on the caller's thread, nothing overlapped it
+        unless other collectives were in flight, whose interval already covers it)."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_ns += int(seconds * 1e9)
+
+    def _busy_seconds(self) -> float:
+        busy = self._busy_ns
+        if self._in_flight:
+            busy += max(0, time.perf_counter_ns() - self._busy_since_ns)
+        return busy / 1e9
+
+    @property
+    def busy_seconds(self) -> float:
+        """Wall seconds with at least one collective in flight (an open interval counts up to now)."""
+        with self._lock:
+            return self._busy_seconds()
 
     def add(self, op: str, sent: int, received: int, seconds: float = 0.0) -> None:
         with self._lock:
@@ -70,6 +113,7 @@ class CommStats:
         """Flat totals plus ``<op>.bytes_sent`` style entries, for logging."""
         with self._lock:
             out: dict[str, float] = {name: self._sum(name) for name in _TOTALS}
+            out["busy_seconds"] = self._busy_seconds()
             for op, s in self.per_op.items():
                 for name in _FIELDS:
                     out[f"{op}.{name}"] = getattr(s, name)
@@ -78,3 +122,5 @@ class CommStats:
     def reset(self) -> None:
         with self._lock:
             self.per_op.clear()
+            self._busy_ns = 0
+            self._busy_since_ns = time.perf_counter_ns()

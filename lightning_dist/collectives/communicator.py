@@ -217,9 +217,14 @@ class Communicator:
         if self.world_size <= 1:
             sent = received = 0
         rec = _trace.active
-        begin = time.perf_counter_ns()
-        fut = start()
         stats = self.stats
+        begin = time.perf_counter_ns()
+        stats.enter(begin)
+        try:
+            fut = start()
+        except BaseException:
+            stats.leave(time.perf_counter_ns())
+            raise
         stats.add(op, sent, received)
         context = self.timeout_context()
         if rec is not None:
@@ -230,6 +235,7 @@ class Communicator:
         def _done(f: Future) -> Any:
             end = time.perf_counter_ns()
             stats.add_time(op, (end - begin) / 1e9)
+            stats.leave(end)
             if rec is not None:
                 rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail)
             with naming_timeouts(op, detail=detail, **context):
@@ -255,6 +261,7 @@ class Communicator:
         """Add bytes moved by a caller-driven exchange (compound algorithms such as Adasum)."""
         if self.world_size > 1:
             self.stats.add(op, sent, received, seconds)
+            self.stats.add_busy(seconds)
             if _trace.active is not None:
                 self._traced(op, sent, received, time.perf_counter_ns() - int(seconds * 1e9))
 
@@ -332,6 +339,7 @@ class Communicator:
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
         self.stats.add("broadcast_object", sent, received, (time.perf_counter_ns() - start) / 1e9)
+        self.stats.add_busy((time.perf_counter_ns() - start) / 1e9)
         if _trace.active is not None:
             self._traced("broadcast_object", sent, received, start, f"from rank {src}")
         return result
@@ -491,5 +499,6 @@ class Communicator:
         with naming_timeouts("barrier", **self.timeout_context()):
             self.backend.barrier()
         self.stats.add("barrier", 0, 0, (time.perf_counter_ns() - start) / 1e9)
+        self.stats.add_busy((time.perf_counter_ns() - start) / 1e9)
         if _trace.active is not None:
             self._traced("barrier", 0, 0, start)
