@@ -38,3 +38,46 @@ def optimizer_update(start: Weights, grads: Weights, optimizer: str, lr: float) 
     cls = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
     cls(list(params.values()), lr=lr).step()
     return {n: p.detach() - start[n] for n, p in params.items()}
+
+
+def diloco(
+    start: Weights,
+    batches: list[list[tuple[Tensor, Tensor]]],
+    inner_steps: int,
+    outer_lr: float,
+    outer_momentum: float,
+    lr: float,
+    weight_decay: float,
+) -> list[Weights]:
+    """DiLoCo written out on one process: rank r runs torch's AdamW on ``batches[r]`` (its own shard,
+    in order); every ``inner_steps`` steps the ranks' deltas (last-sync params - params) are averaged
+    and a Nesterov SGD step, written as its formula, moves the last-sync params; every rank continues
+    from them with its own AdamW state. Returns each rank's final weights."""
+    torch.set_num_threads(1)
+    ranks = len(batches)
+    models = [TinyCausalLM(WorkloadConfig.tiny(seed=7)) for _ in range(ranks)]
+    for m in models:
+        m.load_state_dict(start)
+    names = [n for n, _ in models[0].named_parameters()]
+    anchor = {n: start[n].clone().double() for n in names}
+    momentum: dict[str, Tensor] = {}
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay) for m in models]
+    for step in range(len(batches[0])):
+        for m, opt, shard in zip(models, opts, batches, strict=True):
+            x, y = shard[step]
+            loss = torch.nn.functional.cross_entropy(m(x).flatten(0, 1).float(), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        if (step + 1) % inner_steps:
+            continue
+        for n in names:
+            params = [dict(m.named_parameters())[n].detach().double() for m in models]
+            delta = torch.stack([anchor[n] - p for p in params]).sum(0) / ranks
+            momentum[n] = outer_momentum * momentum[n] + delta if n in momentum else delta.clone()
+            anchor[n] = anchor[n] - outer_lr * (delta + outer_momentum * momentum[n])
+        for m in models:
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    p.copy_(anchor[n])
+    return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]

@@ -1,0 +1,410 @@
+"""``DiLoCo``: local optimizer steps on every rank, then an outer Nesterov step on the averaged change.
+
+    L.Trainer(strategy=DiLoCo(inner_steps=500))                 # outer_lr=0.7, outer_momentum=0.9
+    L.Trainer(strategy=DiLoCo(inner_steps=100, compression="int8"))
+    L.Trainer(strategy="diloco")
+
+Each rank steps its own optimizer (the inner one: AdamW, anything) on its own data for ``inner_steps``
+optimizer steps, with no gradient exchange. Then the ranks average the pseudo-gradient
+``params_at_last_sync - params`` (optionally compressed: "fp16", "bf16", "int8", through the same
+exchange driver as ``Compressed``), an outer SGD (Nesterov momentum) steps the last-sync parameters
+with it, and every rank continues from the result; floating-point buffers (BatchNorm statistics) are
+averaged too. Only the syncs send parameter-sized data: 1/``inner_steps`` of a ring all-reduce per
+optimizer step (DiLoCo, Douillard et al. 2023, arXiv:2311.08105).
+
+Between syncs every rank's weights and inner optimizer state differ. A checkpoint therefore holds every
+rank's model and inner optimizer state besides Lightning's rank-0 copy, plus the last-sync parameters,
+the outer momentum and the inner-step counter (``CHECKPOINT_KEY``); a resumed run loads its own rank's
+and continues exactly. One from another world size (or without that entry) starts every rank from the
+last-sync parameters (or rank 0's weights) with rank 0's inner optimizer state, with a warning.
+Checkpoints must be saved on every rank (``trainer.save_checkpoint``, as ``ModelCheckpoint`` does).
+Validation inside ``fit`` sees each rank's current weights (the local ones between syncs; make
+``val_check_interval`` a multiple of ``inner_steps`` to evaluate the synced model).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_dist import collectives
+from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
+from lightning_dist.collectives.exchanges import run_exchanges
+from lightning_dist.compression import Compressor, make_compressor
+from lightning_dist.strategies.ddp import DDP
+from lightning_dist.strategies.diloco_outer import OuterSGD
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "lightning_dist.diloco"
+"""Checkpoint entry: ``{"world_size": W, "ranks": [rank r's {"state_dict", "optimizer_states",
+"compressor"}], "outer": OuterSGD.state_dict(), "inner_step": int, "syncs": int, "inner_steps": H}``."""
+DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
+"""Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
+LAUNCH_OPTIONS = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+    "process_group_backend",
+    "timeout",
+    "start_method",
+)
+
+
+def build_diloco_compressor(compression: Union[None, str, Compressor]) -> Compressor:
+    """The compressor for ``compression`` (None: uncompressed); ValueError naming what is accepted."""
+    accepted = f"None, {', '.join(map(repr, DILOCO_COMPRESSIONS))} or a Compressor of those"
+    if compression is None:
+        return make_compressor("none")
+    if isinstance(compression, Compressor):
+        if compression.name not in DILOCO_COMPRESSIONS:
+            raise ValueError(
+                f"compression={compression!r} is not supported by DiLoCo (the pseudo-gradient needs an "
+                f"average); accepted: {accepted}"
+            )
+        return compression
+    if not isinstance(compression, str) or compression.lower() not in DILOCO_COMPRESSIONS:
+        raise ValueError(
+            f"compression={compression!r} is not supported by DiLoCo (the pseudo-gradient needs an "
+            f"average); accepted: {accepted}"
+        )
+    return make_compressor(compression.lower())
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+def _persistent_float_buffers(module: nn.Module) -> list[Tensor]:
+    """Floating-point buffers that are part of the state dict (BatchNorm's running statistics)."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for mod in module.modules():
+        for name, buf in mod._buffers.items():
+            if (
+                buf is not None
+                and buf.is_floating_point()
+                and name not in mod._non_persistent_buffers_set
+                and id(buf) not in seen
+            ):
+                seen.add(id(buf))
+                out.append(buf)
+    return out
+
+
+def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[int]]:
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+class DiLoCo(DDP):
+    """DiLoCo: ``inner_steps`` local optimizer steps per rank, then an averaged outer Nesterov step.
+
+    Args:
+        inner_steps: optimizer steps between syncs (H); with gradient accumulation, optimizer steps,
+            not micro-batches.
+        outer_lr: the outer SGD's learning rate (1.0 with ``outer_momentum=0``: plain parameter averaging).
+        outer_momentum: the outer SGD's momentum, in [0, 1).
+        nesterov: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).
+        compression: None, "none", "fp16", "bf16" or "int8" (or such a ``Compressor``): how the
+            pseudo-gradients cross the wire.
+        sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync.
+        accelerator ... start_method: as ``DDP``'s (``start_method="auto"``: fork in notebooks).
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(
+        self,
+        inner_steps: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compression: Union[None, str, Compressor] = None,
+        sync_buffers: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "auto",
+        **unknown: Any,
+    ) -> None:
+        reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
+        check_int("inner_steps", inner_steps, 1)
+        check_positive("outer_lr", outer_lr)
+        check_number("outer_momentum", outer_momentum, 0, 1)
+        if outer_momentum == 1:
+            raise ValueError(f"outer_momentum={outer_momentum!r} must be in [0, 1)")
+        check_bool("nesterov", nesterov)
+        check_bool("sync_buffers", sync_buffers)
+        self.compressor = build_diloco_compressor(compression)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,  # type: ignore[arg-type]
+        )
+        self.inner_steps = inner_steps
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.nesterov = nesterov
+        self.sync_buffers = sync_buffers
+        self.outer: Optional[OuterSGD] = None
+        self.inner_step = 0
+        """Optimizer steps since the last sync."""
+        self.syncs = 0
+        """Syncs so far (over the whole run, resumed ones included)."""
+        self.sync_bytes = 0
+        """Bytes this rank sent for the pseudo-gradients in this process's syncs (collectives counters)."""
+        self.buffer_bytes = 0
+        """Bytes this rank sent for the buffers in this process's syncs."""
+        self._restored_per_rank = False
+
+    @classmethod
+    @override
+    def _accepted_options(cls) -> list[str]:
+        return [
+            "inner_steps",
+            "outer_lr",
+            "outer_momentum",
+            "nesterov",
+            "compression",
+            "sync_buffers",
+            *LAUNCH_OPTIONS,
+        ]
+
+    # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
+    @override
+    def configure_ddp(self) -> None:
+        """No DistributedDataParallel (no gradient sync); every rank starts from rank 0's weights,
+        unless each rank's own weights were just restored from a checkpoint."""
+        assert self.model is not None
+        if not self._restored_per_rank:
+            with torch.no_grad():
+                for t in [*self.model.parameters(), *self.model.buffers()]:
+                    collectives.broadcast(t.detach(), 0)
+        self._restored_per_rank = False
+        logger.debug("DiLoCo: no DistributedDataParallel; inner_steps=%d", self.inner_steps)
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"DiLoCo needs exactly one optimizer (the inner one), configure_optimizers returned "
+                f"{len(self.optimizers)}"
+            )
+        module = self.lightning_module
+        assert module is not None
+        names = {id(p): n for n, p in module.named_parameters()}
+        named: list[tuple[str, Tensor]] = []
+        seen: set[int] = set()
+        for group in self.optimizers[0].param_groups:
+            for p in group["params"]:
+                if id(p) in seen:
+                    continue
+                if id(p) not in names:
+                    raise ValueError(
+                        "DiLoCo: the optimizer holds a parameter that is not the LightningModule's"
+                    )
+                seen.add(id(p))
+                named.append((names[id(p)], p))
+        self.outer = OuterSGD(named, self.outer_lr, self.outer_momentum, self.nesterov)
+        self.inner_step = self.syncs = 0  # a checkpoint's counters are loaded after setup
+        self.sync_bytes = self.buffer_bytes = 0
+
+    # -- inner steps and syncs ----------------------------------------------------------------------
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.inner_step += 1
+        if self.inner_step >= self.inner_steps:
+            self.sync()
+        return result
+
+    def sync(self) -> None:
+        """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
+        outer = self.outer
+        assert outer is not None, "DiLoCo.sync: setup() has not run"
+        stats = collectives.stats()
+        before = stats.bytes_sent
+        outer.step(self._average(outer.pseudo_gradients()))
+        middle = stats.bytes_sent
+        if self.sync_buffers and self.lightning_module is not None:
+            buffers = _persistent_float_buffers(self.lightning_module)
+            for indices in _by_dtype(buffers).values():
+                collectives.all_reduce([buffers[i] for i in indices], "avg")
+        self.sync_bytes += middle - before
+        self.buffer_bytes += stats.bytes_sent - middle
+        self.inner_step = 0
+        self.syncs += 1
+
+    def _average(self, deltas: list[Tensor]) -> list[Tensor]:
+        """The ranks' average of ``deltas`` through the compressor (one exchange per dtype)."""
+        comm = collectives.current()
+        out: list[Optional[Tensor]] = [None] * len(deltas)
+        for dtype, indices in _by_dtype(deltas).items():
+            ex = self.compressor.exchange(
+                f"diloco.{dtype}",
+                [deltas[i] for i in indices],
+                world_size=comm.world_size,
+                rank=comm.rank,
+            )
+            if comm.world_size == 1:
+                result = ex.run_local()
+            else:
+                run_exchanges(comm, [[ex]]).wait()
+                assert ex.result is not None
+                result = ex.result
+                if result[0].is_cuda:  # the exchange's kernels ran on other streams
+                    torch.cuda.synchronize(result[0].device)
+            for i, t in zip(indices, result, strict=True):
+                out[i] = t
+        return [t for t in out if t is not None]
+
+    # -- checkpoints: every rank's model and inner optimizer state, and the outer state --------------
+    def checkpoint_entry(self, checkpoint: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+        """``{CHECKPOINT_KEY: ...}`` on rank 0, {} on the others: every rank's weights, inner optimizer
+        and compressor state, and the outer state. Each rank's weights and optimizer states come from
+        ``checkpoint`` (the one it dumped) or, without one, from its module and optimizer. A
+        collective: every rank calls it (``save_checkpoint`` does; a commit writer could too)."""
+        assert self.outer is not None, "DiLoCo.checkpoint_entry: setup() has not run"
+        if checkpoint is None:
+            checkpoint = {
+                "state_dict": self.lightning_module_state_dict(),
+                "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
+            }
+        own = _to_cpu(
+            {
+                "state_dict": checkpoint["state_dict"],
+                "optimizer_states": list(checkpoint["optimizer_states"]),
+                "compressor": self.compressor.state_dict(),
+            }
+        )
+        ranks = [own]
+        for r in range(1, self.world_size):  # rank 0 keeps at most one other rank's state at a time
+            got = collectives.broadcast_object(own if self.global_rank == r else None, r)
+            if self.is_global_zero:
+                ranks.append(got)
+        if not self.is_global_zero:
+            return {}
+        return {
+            CHECKPOINT_KEY: {
+                "world_size": self.world_size,
+                "inner_steps": self.inner_steps,
+                "inner_step": self.inner_step,
+                "syncs": self.syncs,
+                "outer": self.outer.state_dict(),
+                "ranks": ranks,
+            }
+        }
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """Gather every rank's weights and inner optimizer state into the checkpoint (all ranks call it)."""
+        if "optimizer_states" in checkpoint and self.outer is not None:
+            checkpoint = {**checkpoint, **self.checkpoint_entry(checkpoint)}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _checkpoint_problem(self, saved: Optional[Mapping[str, Any]]) -> Optional[str]:
+        if saved is None:
+            return "the checkpoint has no DiLoCo state (saved by another strategy)"
+        if saved.get("world_size") != self.world_size or len(saved.get("ranks", ())) != self.world_size:
+            return f"the checkpoint was saved at world size {saved.get('world_size')}, this run has {self.world_size}"
+        return None
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        self._restored_per_rank = False
+        if saved is not None and self._checkpoint_problem(saved) is None:
+            checkpoint = {**checkpoint, "state_dict": saved["ranks"][self.global_rank]["state_dict"]}
+            self._restored_per_rank = True
+        elif saved is not None:  # another world size: every rank starts from the last-sync parameters
+            checkpoint = {
+                **checkpoint,
+                "state_dict": {**checkpoint["state_dict"], **saved["outer"]["anchors"]},
+            }
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this rank's inner optimizer state and the outer state (see the module docstring)."""
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        problem = self._checkpoint_problem(saved)
+        if problem is None:
+            assert saved is not None
+            entry = saved["ranks"][self.global_rank]
+            checkpoint = {**checkpoint, "optimizer_states": entry["optimizer_states"]}
+            self.compressor.load_state_dict(entry["compressor"])
+        else:
+            warnings.warn(
+                f"DiLoCo: {problem}; every rank continues from the same weights with rank 0's inner "
+                "optimizer state, so the resumed run does not continue exactly as an uninterrupted one would",
+                stacklevel=2,
+            )
+        super().load_optimizer_state_dict(checkpoint)
+        outer = self.outer
+        if outer is None or saved is None:
+            return
+        outer.load_state_dict(saved["outer"])
+        self.syncs = int(saved["syncs"])
+        if problem is None:
+            self.inner_step = int(saved["inner_step"])
+        else:  # the steps since the last sync are dropped: every rank restarts from the last-sync params
+            outer.copy_to_model()
+            self.inner_step = 0
+        if saved.get("inner_steps") != self.inner_steps:
+            logger.info(
+                "DiLoCo: the checkpoint's inner_steps=%s, this run's %d",
+                saved.get("inner_steps"),
+                self.inner_steps,
+            )
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "diloco", cls, description="lightning_dist DiLoCo (local steps, outer Nesterov)"
+        )
+        for name in DILOCO_COMPRESSIONS[1:]:
+            strategy_registry.register(
+                f"diloco_{name}",
+                cls,
+                description=f"lightning_dist DiLoCo with {name} pseudo-gradients",
+                compression=name,
+            )

@@ -1,0 +1,90 @@
+"""DiLoCo's outer step, pure torch (no transport): the parameters held at the last sync and an SGD on them.
+
+    outer = OuterSGD(named_params, lr=0.7, momentum=0.9, nesterov=True)
+    deltas = outer.pseudo_gradients()      # last-sync params - current params, per parameter
+    ... average ``deltas`` over ranks ...
+    outer.step(averaged)                   # SGD (Nesterov) step on the last-sync params; copied into the model
+
+The last-sync parameters are kept in at least float32 (a bf16 model's updates are not rounded away).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _outer_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class OuterSGD:
+    """The parameters at the last sync (``anchors``) and ``torch.optim.SGD`` over them.
+
+    Args:
+        named_params: (name, parameter) of every parameter DiLoCo syncs, in a fixed order.
+        lr, momentum, nesterov: the outer SGD's; Nesterov with ``momentum=0`` is plain SGD.
+    """
+
+    def __init__(
+        self, named_params: Sequence[tuple[str, Tensor]], lr: float, momentum: float, nesterov: bool
+    ) -> None:
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.anchors = [p.detach().to(_outer_dtype(p.dtype), copy=True) for p in self.params]
+        self.optimizer = torch.optim.SGD(
+            self.anchors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
+        )
+
+    def pseudo_gradients(self) -> list[Tensor]:
+        """last-sync params - current params (this rank's outer gradient), in the anchors' dtype."""
+        with torch.no_grad():
+            return [a - p.detach().to(a.dtype) for a, p in zip(self.anchors, self.params, strict=True)]
+
+    def step(self, averaged: Sequence[Tensor]) -> None:
+        """One outer SGD step with the ranks' averaged pseudo-gradients; the model takes the result."""
+        with torch.no_grad():
+            for a, g in zip(self.anchors, averaged, strict=True):
+                a.grad = g.to(a.dtype)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.copy_to_model()
+
+    def copy_to_model(self) -> None:
+        """Set the model's parameters to the last-sync ones."""
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchors, strict=True):
+                p.copy_(a)
+
+    def state_dict(self) -> dict[str, Any]:
+        """CPU copies: ``{"anchors": {name: tensor}, "momentum": {name: tensor}}`` (momentum after a step)."""
+        momentum = {}
+        for name, a in zip(self.names, self.anchors, strict=True):
+            buf = self.optimizer.state.get(a, {}).get("momentum_buffer")
+            if buf is not None:
+                momentum[name] = buf.detach().cpu().clone()
+        return {
+            "anchors": {n: a.detach().cpu().clone() for n, a in zip(self.names, self.anchors, strict=True)},
+            "momentum": momentum,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned; ValueError when the parameter names differ."""
+        anchors, momentum = state["anchors"], state["momentum"]
+        if sorted(anchors) != sorted(self.names):
+            missing = sorted(set(self.names) - set(anchors))
+            extra = sorted(set(anchors) - set(self.names))
+            raise ValueError(
+                f"DiLoCo: the checkpoint's outer state is for other parameters (missing {missing}, extra {extra})"
+            )
+        with torch.no_grad():
+            for name, a in zip(self.names, self.anchors, strict=True):
+                a.copy_(anchors[name])
+                self.optimizer.state.pop(a, None)
+                if name in momentum:
+                    self.optimizer.state[a] = {
+                        "momentum_buffer": momentum[name].to(a.device, a.dtype).clone()
+                    }
