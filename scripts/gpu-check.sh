@@ -28,6 +28,8 @@ for c in ${GPU_CHECK_COMPRESSORS:-fp16 int8 powersgd demo}; do
 done
 # 4. Elastic at world size 1 over NCCL under torchrun: commits, is SIGKILLed, resumes with the fault-free weights
 step elastic_nccl 300 $PY scripts/gpu_elastic_check.py "$OUT/elastic"
+# 4b. DiLoCo at world size 1 over NCCL (syncs every 4 steps, int8 pseudo-gradients, bf16-mixed)
+step diloco_nccl 240 $PY examples/train.py --strategy "lightning_dist:DiLoCo(inner_steps=4, compression='int8')" --accelerator gpu --devices 1 --max-steps 12 --precision bf16-mixed
 # 5. Horovod with NCCL, then HorovodAdasum training on the GPU (1 rank, MPI controller)
 sdist=$(ls .whl/horovod-*.tar.gz 2>/dev/null | head -1)
 if [ -n "$sdist" ]; then
