@@ -1,7 +1,16 @@
 """lightning_dist: distributed-training strategies for PyTorch Lightning on one collectives layer."""
 
 from lightning_dist import collectives
-from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, Horovod, HorovodAdasum
+from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum
 
-__all__ = ["DDP", "Compressed", "DiLoCo", "Elastic", "Horovod", "HorovodAdasum", "collectives"]
+__all__ = [
+    "DDP",
+    "Compressed",
+    "DiLoCo",
+    "Elastic",
+    "ElasticDiLoCo",
+    "Horovod",
+    "HorovodAdasum",
+    "collectives",
+]
 __version__ = "0.1.0"

@@ -41,6 +41,7 @@ CLASS_FAMILIES = {
     "DDP": ("ddp", False),
     "Compressed": ("ddp", False),
     "Elastic": ("elastic", False),
+    "ElasticDiLoCo": ("elastic", False),
     "Horovod": ("horovod", False),
     "HorovodAdasum": ("horovod", True),
 }
@@ -72,14 +73,14 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
-    from lightning_dist.strategies import Elastic, Horovod, HorovodAdasum
+    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum
 
     kinds: dict[str, StrategyKind] = {}
     refused: dict[str, str] = {}
     for name in StrategyRegistry.available_strategies():
         entry = StrategyRegistry[name]
         cls, params = entry["strategy"], entry.get("init_params", {})
-        if issubclass(cls, Elastic):
+        if issubclass(cls, ElasticMixin):
             kinds[name] = StrategyKind(name, "elastic")
         elif issubclass(cls, HorovodAdasum):
             kinds[name] = StrategyKind(name, "horovod", adasum=True)

@@ -17,6 +17,13 @@ kept (per-rank micro-batches and accumulation follow the new size), Lightning's 
 commit are rescaled to the new accumulation, the compressor states of the old ranks are merged
 (``Compressor.merge_states``), and where the new size does not divide the global batch the learning
 rate follows ``plan.lr_scale`` (``scale_lr=False`` turns that off).
+
+``ElasticDiLoCo`` is the same machinery over ``DiLoCo`` (no gradient all-reduce; an outer Nesterov step
+every ``inner_steps`` optimizer steps): its commits also hold DiLoCo's entry (every rank's weights,
+inner optimizer and compressor state, the last-sync parameters, the outer momentum and the inner-step
+counter), so a run resumed at the same world size continues bitwise; at another world size every rank
+restarts from the last-sync parameters with rank 0's inner optimizer state (DiLoCo's fallback, with a
+warning). ``ElasticMixin`` holds what both share (commits, sampler, resume).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
 import torch
@@ -42,13 +49,29 @@ from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticS
 from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.launch.torchelastic import attempt_store
 from lightning_dist.strategies.compressed import Compressed
+from lightning_dist.strategies.diloco import DiLoCo
 from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.model_check import check_same_model
+
+if TYPE_CHECKING:  # the mixin's super() calls reach DDP's methods
+    from lightning_dist.strategies.ddp import DDP as _MixinBase
+else:
+    _MixinBase = object
 
 logger = logging.getLogger(__name__)
 
 ELASTIC_KEY = "lightning_dist.elastic"
 """The commit's entry for what Lightning's checkpoint lacks: data position, plan, per-rank RNG."""
+ELASTIC_OPTIONS = (
+    "commit_every",
+    "keep",
+    "dirpath",
+    "seed",
+    "on_indivisible",
+    "scale_lr",
+    "background_commits",
+)
+"""``ElasticMixin``'s options (every elastic strategy takes them)."""
 
 
 class _ElasticLoader(DataLoader):
@@ -72,7 +95,7 @@ class _CommitCallback(L.Callback):
     """Commits after every ``commit_every``-th optimizer step (at ``on_train_batch_end``, where
     ``global_step`` already counts the step whose weights are saved)."""
 
-    def __init__(self, strategy: Elastic) -> None:
+    def __init__(self, strategy: ElasticMixin) -> None:
         self.strategy = strategy
         self.last_step = -1
 
@@ -104,43 +127,25 @@ def _rescale_batch_progress(progress: dict[str, Any], ready: int) -> None:
             progress[scope][name] = int(progress[scope][name]) + shift
 
 
-class Elastic(Compressed):
-    """Elastic data-parallel training with commits (see the module docstring).
+class ElasticMixin(_MixinBase):
+    """Commits, the elastic sampler and resume without ``ckpt_path``, for a ``DDP``-based strategy.
 
-    Args:
-        commit_every: optimizer steps between commits; a restart redoes at most this many.
-        keep: commits kept on disk (older ones are deleted after each commit).
-        dirpath: where commits go; default ``<Trainer default_root_dir>/elastic_commits``. All ranks
-            must see it (a shared filesystem across nodes).
-        reduce_op: ``"avg"`` or ``"adasum"``.
-        compression: None (no compression: bitwise ``DDP()``), a compressor name or a ``Compressor``.
-        seed: seed of the per-epoch sample order.
-        on_indivisible: what a world size that does not divide the global batch does; see
-            ``lightning_dist.elastic.sampler``.
-        scale_lr: on such a world size, multiply every learning rate (and every scheduler's base
-            rates) by the plan's ``lr_scale`` (linear scaling rule); False leaves it to the user.
-        background_commits: rank 0 snapshots the state at the commit step and writes it on a
-            background thread during the next optimizer step, and waits for it at that step's end
-            (``lightning_dist.elastic.BackgroundWriter``), so at most ``commit_every`` completed
-            steps are ever redone; False writes before the next step starts.
-        **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
+    A strategy lists it first (``class Elastic(ElasticMixin, Compressed)``), calls
+    ``_init_elastic(...)`` in its ``__init__`` and may add per-rank state and entries to the commits
+    (``_commit_rank_state``, ``_commit_entries``). Options: see ``Elastic``.
     """
 
-    strategy_name = "elastic"
-
-    def __init__(
+    def _init_elastic(
         self,
-        commit_every: int = 50,
-        keep: int = 3,
-        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
-        reduce_op: str = "avg",
-        compression: Union[None, str, Compressor] = None,
-        seed: int = 0,
-        on_indivisible: str = "keep_per_rank",
-        scale_lr: bool = True,
-        background_commits: bool = True,
-        **options: Any,
+        commit_every: int,
+        keep: int,
+        dirpath: Optional[Union[str, os.PathLike[str]]],
+        seed: int,
+        on_indivisible: str,
+        scale_lr: bool,
+        background_commits: bool,
     ) -> None:
+        """Check the elastic options (ValueError naming the bad one) and set the elastic state."""
         check_int("commit_every", commit_every, 1)
         check_int("keep", keep, 1)
         check_int("seed", seed, 0)
@@ -149,9 +154,6 @@ class Elastic(Compressed):
         check_bool("background_commits", background_commits)
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
             raise ValueError(f"dirpath={dirpath!r} is not supported; accepted: None, a str or a path")
-        options.setdefault("skip_nonfinite", True)
-        options.setdefault("log_stats", False)
-        super().__init__("none" if compression is None else compression, reduce_op=reduce_op, **options)
         self.commit_every = commit_every
         self.keep = keep
         self.dirpath = dirpath
@@ -169,21 +171,6 @@ class Elastic(Compressed):
         self._resume_plan: Optional[ElasticPlan] = None
         self.lr_factor = 1.0
         """The factor the learning rates were multiplied by on resume (``scale_lr``)."""
-
-    @classmethod
-    @override
-    def _accepted_options(cls) -> list[str]:
-        own = [
-            "commit_every",
-            "keep",
-            "dirpath",
-            "compression",
-            "seed",
-            "on_indivisible",
-            "scale_lr",
-            "background_commits",
-        ]
-        return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
 
     # -- (re)start ---------------------------------------------------------------------------------
     @property
@@ -343,9 +330,12 @@ class Elastic(Compressed):
     def commit(self, trainer: L.Trainer) -> None:
         """Write a commit of the state after the current optimizer step (called on every rank)."""
         assert self.store is not None and self.sampler is not None and self.plan is not None
-        ranks = self.gather_per_rank(
-            {"rng": capture_rng_state(), "compressor": self.compressor_checkpoint_state()}
-        )
+        own = {"rng": capture_rng_state(), **self._commit_rank_state()}
+        ranks = [
+            collectives.broadcast_object(own if self.global_rank == r else None, r)
+            for r in range(self.world_size)
+        ]
+        entries = self._commit_entries(ranks)  # collective: every rank calls it
         if self.global_rank != 0:
             return
         checkpoint = trainer._checkpoint_connector.dump_checkpoint()
@@ -355,7 +345,7 @@ class Elastic(Compressed):
         steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready // self.plan.accumulate
         sampler_state = self.sampler.state_dict(step=steps_done)
         checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [sampler_state]
-        checkpoint.update(self.compressor_checkpoint(r["compressor"] for r in ranks))
+        checkpoint.update(entries)
         checkpoint[ELASTIC_KEY] = {
             "sampler": sampler_state,
             "global_batch": self.plan.global_batch,
@@ -379,7 +369,126 @@ class Elastic(Compressed):
             writer.close()  # the last commit is on disk before the process may exit
         super().teardown()
 
+    def _commit_rank_state(self) -> dict[str, Any]:
+        """This rank's state a commit keeps besides its RNG (picklable; gathered in rank order)."""
+        return {}
+
+    def _commit_entries(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        """Entries added to rank 0's commit, from every rank's ``_commit_rank_state`` (``ranks``).
+        Called on every rank, so it may be a collective; only rank 0's result is written."""
+        return {}
+
+
+class Elastic(ElasticMixin, Compressed):
+    """Elastic data-parallel training with commits (see the module docstring).
+
+    Args:
+        commit_every: optimizer steps between commits; a restart redoes at most this many.
+        keep: commits kept on disk (older ones are deleted after each commit).
+        dirpath: where commits go; default ``<Trainer default_root_dir>/elastic_commits``. All ranks
+            must see it (a shared filesystem across nodes).
+        reduce_op: ``"avg"`` or ``"adasum"``.
+        compression: None (no compression: bitwise ``DDP()``), a compressor name or a ``Compressor``.
+        seed: seed of the per-epoch sample order.
+        on_indivisible: what a world size that does not divide the global batch does; see
+            ``lightning_dist.elastic.sampler``.
+        scale_lr: on such a world size, multiply every learning rate (and every scheduler's base
+            rates) by the plan's ``lr_scale`` (linear scaling rule); False leaves it to the user.
+        background_commits: rank 0 snapshots the state at the commit step and writes it on a
+            background thread during the next optimizer step, and waits for it at that step's end
+            (``lightning_dist.elastic.BackgroundWriter``), so at most ``commit_every`` completed
+            steps are ever redone; False writes before the next step starts.
+        **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
+    """
+
+    strategy_name = "elastic"
+
+    def __init__(
+        self,
+        commit_every: int = 50,
+        keep: int = 3,
+        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
+        reduce_op: str = "avg",
+        compression: Union[None, str, Compressor] = None,
+        seed: int = 0,
+        on_indivisible: str = "keep_per_rank",
+        scale_lr: bool = True,
+        background_commits: bool = True,
+        **options: Any,
+    ) -> None:
+        self._init_elastic(commit_every, keep, dirpath, seed, on_indivisible, scale_lr, background_commits)
+        options.setdefault("skip_nonfinite", True)
+        options.setdefault("log_stats", False)
+        super().__init__("none" if compression is None else compression, reduce_op=reduce_op, **options)
+
+    @classmethod
+    @override
+    def _accepted_options(cls) -> list[str]:
+        own = [*ELASTIC_OPTIONS[:3], "compression", *ELASTIC_OPTIONS[3:]]
+        return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
+
+    @override
+    def _commit_rank_state(self) -> dict[str, Any]:
+        return {"compressor": self.compressor_checkpoint_state()}
+
+    @override
+    def _commit_entries(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.compressor_checkpoint(r["compressor"] for r in ranks)
+
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register("elastic", cls, description="lightning_dist Elastic (commits, torchrun)")
+
+
+class ElasticDiLoCo(ElasticMixin, DiLoCo):
+    """DiLoCo under torchrun's elastic agent, resuming from commits (see the module docstring).
+
+        torchrun --nproc-per-node=2 --max-restarts=3 ... train.py   # strategy=ElasticDiLoCo(inner_steps=100)
+
+    Args:
+        commit_every, keep, dirpath, seed, on_indivisible, scale_lr, background_commits: as
+            ``Elastic``'s. A commit may fall inside a DiLoCo period: it holds every rank's weights and
+            inner optimizer state, so the resumed run continues exactly where the commit was taken.
+        **options: ``DiLoCo``'s (``inner_steps``, ``outer_lr``, ``outer_momentum``, ``nesterov``,
+            ``compression``, ``sync_buffers``, and the launch options). ``reduce_op`` and
+            ``skip_nonfinite`` are refused: DiLoCo has no gradient all-reduce.
+    """
+
+    strategy_name = "elastic_diloco"
+
+    def __init__(
+        self,
+        commit_every: int = 50,
+        keep: int = 3,
+        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
+        seed: int = 0,
+        on_indivisible: str = "keep_per_rank",
+        scale_lr: bool = True,
+        background_commits: bool = True,
+        **options: Any,
+    ) -> None:
+        for name in ("skip_nonfinite", "reduce_op"):
+            if name in options:
+                raise ValueError(
+                    f"ElasticDiLoCo: {name}={options[name]!r} is not supported (DiLoCo has no gradient "
+                    f"all-reduce); accepted options: {', '.join(self._accepted_options())}"
+                )
+        self._init_elastic(commit_every, keep, dirpath, seed, on_indivisible, scale_lr, background_commits)
+        super().__init__(**options)
+
+    @classmethod
+    @override
+    def _accepted_options(cls) -> list[str]:
+        return [*ELASTIC_OPTIONS, *DiLoCo._accepted_options()]
+
+    @override
+    def _commit_entries(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.checkpoint_entry()  # collective; {} on the ranks other than 0
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "elastic_diloco", cls, description="lightning_dist DiLoCo with Elastic's commits (torchrun)"
+        )

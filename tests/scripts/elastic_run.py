@@ -11,8 +11,9 @@ act between steps). With ``--kill-rank``/``--kill-step`` that
 rank SIGKILLs itself after that optimizer step on the first attempt only (on every attempt with
 ``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``); ``--fault raise`` raises a RuntimeError there instead, and
 ``--fault commit`` SIGKILLs rank 0 halfway through writing the commit of that step (leaving a
-half-written temporary file and a ``crashed_in_commit`` marker). Rank 0 saves the final
-weights and facts (``rank0.pt``, ``rank0.json``).
+half-written temporary file and a ``crashed_in_commit`` marker). ``--diloco H`` trains with
+``ElasticDiLoCo(inner_steps=H)`` instead (``--compression``: DiLoCo's). Rank 0 saves the final
+weights and facts (``rank0.pt``, ``rank0.json``); with ``--diloco`` every rank saves its own.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -31,7 +32,7 @@ from rank_io import save_fitted
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dist import Elastic, collectives
+from lightning_dist import Elastic, ElasticDiLoCo, collectives
 from lightning_dist.elastic import commits
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
@@ -123,7 +124,8 @@ def fit(
     fault: str = "kill",
     scale_lr: bool = True,
     accelerator: str = "cpu",
-) -> tuple[L.Trainer, Logged, Elastic]:
+    diloco: int = 0,
+) -> tuple[L.Trainer, Logged, Union[Elastic, ElasticDiLoCo]]:
     """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
     torch.set_num_threads(1)
     os.makedirs(out, exist_ok=True)
@@ -131,13 +133,23 @@ def fit(
     model = Logged(out, kill_rank, kill_step, step_sleep, fault)
     if fault == "commit" and model.attempt == 0 and int(os.environ.get("RANK", "0")) == 0:
         crash_while_writing(out, kill_step)
-    strategy = Elastic(
-        commit_every=commit_every,
-        dirpath=os.path.join(out, "commits"),
-        compression=compression,
-        reduce_op=reduce_op,
-        scale_lr=scale_lr,
-    )
+    strategy: Union[Elastic, ElasticDiLoCo]
+    if diloco:
+        strategy = ElasticDiLoCo(
+            commit_every=commit_every,
+            dirpath=os.path.join(out, "commits"),
+            scale_lr=scale_lr,
+            inner_steps=diloco,
+            compression=compression,
+        )
+    else:
+        strategy = Elastic(
+            commit_every=commit_every,
+            dirpath=os.path.join(out, "commits"),
+            compression=compression,
+            reduce_op=reduce_op,
+            scale_lr=scale_lr,
+        )
     trainer = quiet_trainer(
         accelerator=accelerator,
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -163,10 +175,11 @@ def main() -> None:
     p.add_argument("--fault", choices=["kill", "raise", "commit"], default="kill")
     p.add_argument("--no-scale-lr", dest="scale_lr", action="store_false")
     p.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device per worker, NCCL")
+    p.add_argument("--diloco", type=int, default=0, help="H > 0: ElasticDiLoCo(inner_steps=H)")
     a = p.parse_args()
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
-    if trainer.global_rank == 0:
+    if trainer.global_rank == 0 or a.diloco:
         save_fitted(
             a.out,
             trainer,
@@ -175,6 +188,8 @@ def main() -> None:
             attempt=model.attempt,
             lr=trainer.optimizers[0].param_groups[0]["lr"],
             lr_factor=strategy.lr_factor,
+            syncs=getattr(strategy, "syncs", None),
+            inner_step=getattr(strategy, "inner_step", None),
         )
 
 
