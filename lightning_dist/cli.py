@@ -42,6 +42,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the embedded workload with every strategy, print a table")
     demo.add_argument("--steps", type=int, default=100)
+    demo.add_argument(
+        "--cap-mbit",
+        type=float,
+        default=100.0,
+        help="as root: add a column of step times across 2 emulated nodes at this link cap (0: off)",
+    )
     sub.add_parser("env", help="print versions and which launchers/backends are available")
     from lightning_dist.launch.slurm import add_parser as add_slurm_parser
 
@@ -58,7 +64,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "demo":
         from lightning_dist.workload.demo import main as demo_main
 
-        return demo_main(args.steps, extra)
+        return demo_main(args.steps, extra, args.cap_mbit)
     return _env()
 
 

@@ -1,15 +1,22 @@
-"""The demo: train the embedded workload on 2 local processes with every strategy, print a table."""
+"""The demo: train the embedded workload on 2 local processes with every strategy, print a table.
+
+As root (with iproute2) it adds a column: each strategy's median step time across 2 emulated nodes
+(``lightning_dist.launch.netns.EmulatedCluster``: network namespaces joined by a veth pair capped
+with tc tbf, 100 Mbit/s by default), one process per node, Horovod rows by mpirun across the nodes.
+Elsewhere it prints one line saying why that column is skipped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -55,50 +62,139 @@ def _available(run: DemoRun) -> Optional[str]:
     return None
 
 
-def run_one(run: DemoRun, steps: int, workdir: str, extra: list[str]) -> dict:
-    out = os.path.join(workdir, f"{abs(hash(run.label))}.json")
-    cmd = [
-        *run.launcher,
+def _train_argv(run: DemoRun, steps: int, out: str, extra: list[str], num_nodes: int = 1) -> list[str]:
+    """The training command of one rank (without launcher)."""
+    return [
         sys.executable,
         "-m",
         "lightning_dist.workload.train",
         "--strategy",
         run.strategy,
         "--devices",
-        str(run.devices),
+        str(1 if num_nodes > 1 else run.devices),
+        "--num-nodes",
+        str(num_nodes),
         "--max-steps",
         str(steps),
         "--json-out",
         out,
         *extra,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stderr or proc.stdout)[-2000:]
-        return {"error": f"exit {proc.returncode}: {tail}"}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _read_result(out: str, returncode: int, tail: str) -> dict:
+    if returncode != 0 or not os.path.exists(out):
+        return {"error": f"exit {returncode}: {tail[-2000:]}"}
     with open(out) as fh:
         return json.load(fh)["result"]
 
 
-def format_table(rows: list[tuple[str, dict]]) -> str:
+def run_one(run: DemoRun, steps: int, workdir: str, extra: list[str]) -> dict:
+    out = os.path.join(workdir, f"{abs(hash(run.label))}.json")
+    cmd = [*run.launcher, *_train_argv(run, steps, out, extra)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    return _read_result(out, proc.returncode, proc.stderr or proc.stdout)
+
+
+def run_on_cluster(
+    cluster: Any, run: DemoRun, steps: int, workdir: str, extra: list[str], timeout: float = 300
+) -> dict:
+    """``run`` across the 2 nodes of ``cluster`` (an up ``EmulatedCluster``): one process per node,
+    or mpirun across the nodes when the row has a launcher (Horovod)."""
+    out = os.path.join(workdir, f"{abs(hash(run.label))}-nodes.json")
+    if os.path.exists(out):
+        os.remove(out)
+    if run.launcher:
+        argv = _train_argv(run, steps, out, extra)
+        mpirun = ["mpirun", "-np", "2", *cluster.mpirun_args(), "-x", "OMP_NUM_THREADS", *argv]
+        proc = cluster.popen(0, mpirun, _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            text, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # mpirun and its local ranks (own session)
+            return {"error": f"killed after {timeout}s"}
+        return _read_result(out, proc.returncode, text)
+    try:
+        results = cluster.run_each(_train_argv(run, steps, out, extra, num_nodes=2), timeout, env=_env())
+    except TimeoutError as err:
+        return {"error": str(err)[-2000:]}
+    code = max(abs(r.returncode) for r in results)
+    return _read_result(out, code, "\n".join(r.stderr for r in results))
+
+
+def capped_column(
+    rows: list[tuple[str, dict]], steps: int, workdir: str, extra: list[str], cap_mbit: float
+) -> Optional[dict[str, dict]]:
+    """Each row's result across 2 emulated nodes at ``cap_mbit``; None (with one line printed saying
+    why) where no cluster can be built here."""
+    from lightning_dist.launch import netns
+
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        print(f"[demo] capped-link column skipped: {reason}", flush=True)
+        return None
+    by_label = {run.label: run for run in demo_runs()}
+    column: dict[str, dict] = {}
+    with netns.EmulatedCluster(2, rate_mbit=cap_mbit) as cluster:
+        for i, (label, local) in enumerate(rows):
+            cluster.master_port = netns.DEFAULT_MASTER_PORT + i  # a fresh rendezvous port per run
+            if "error" in local or "skipped" in local:
+                column[label] = {"skipped": "-"}
+                continue
+            print(
+                f"[demo] {label}: {steps} steps across 2 emulated nodes at {cap_mbit:g} Mbit/s ...",
+                flush=True,
+            )
+            column[label] = run_on_cluster(cluster, by_label[label], steps, workdir, extra)
+            if "error" in column[label]:
+                print(f"[demo] {label} across nodes FAILED\n{column[label]['error']}", flush=True)
+    return column
+
+
+def format_table(
+    rows: list[tuple[str, dict]], capped: Optional[dict[str, dict]] = None, capped_title: str = "capped"
+) -> str:
+    """The demo table; with ``capped`` (label -> result across emulated nodes) one more column."""
+    extra_head = f" {capped_title:>18} |" if capped is not None else ""
     header = f"| {'strategy':<36} | {'median step':>11} | {'bytes sent/step':>15} | {'final val loss':>14} |"
-    lines = [header, "|" + "-" * 38 + "|" + "-" * 13 + "|" + "-" * 17 + "|" + "-" * 16 + "|"]
+    lines = [
+        header + extra_head,
+        "|" + "-" * 38 + "|" + "-" * 13 + "|" + "-" * 17 + "|" + "-" * 16 + "|"
+        + ("-" * 20 + "|" if capped is not None else ""),
+    ]  # fmt: skip
     for label, r in rows:
         if "error" in r or "skipped" in r:
             note = r.get("skipped") or "failed (see above)"
-            lines.append(f"| {label:<36} | {note:>49} |")
+            lines.append(f"| {label:<36} | {note:>49} |" + (f" {'-':>18} |" if capped is not None else ""))
             continue
         sent = "not counted" if r.get("strategy") == "ddp" else f"{int(r['bytes_sent_per_step']):,}"
+        cell = ""
+        if capped is not None:
+            c = capped.get(label, {})
+            if "median_step_s" in c:
+                cell = f" {c['median_step_s'] * 1000:>15.1f} ms |"
+            else:
+                cell = f" {'failed' if 'error' in c else '-':>18} |"
         lines.append(
             f"| {label:<36} | {r['median_step_s'] * 1000:>8.1f} ms | {sent:>15} | "
-            f"{r['final_val_loss']:>14.4f} |"
+            f"{r['final_val_loss']:>14.4f} |" + cell
         )
     return "\n".join(lines)
 
 
-def main(steps: int = 100, extra: Optional[list[str]] = None) -> int:
+CAPPED_STEPS = 10
+"""Steps of each run across the emulated nodes (the first 3 are warm-up): enough for a median."""
+
+
+def main(steps: int = 100, extra: Optional[list[str]] = None, cap_mbit: float = 100.0) -> int:
     extra = extra or []
+    if not cap_mbit >= 0:
+        raise ValueError(f"cap_mbit={cap_mbit!r} must be >= 0 (0: no capped-link column)")
     rows: list[tuple[str, dict]] = []
     failed = False
     with tempfile.TemporaryDirectory() as workdir:
@@ -114,13 +210,24 @@ def main(steps: int = 100, extra: Optional[list[str]] = None) -> int:
                 failed = True
                 print(f"[demo] {run.label} FAILED\n{result['error']}", flush=True)
             rows.append((run.label, result))
+        capped = None
+        cap_steps = min(steps, CAPPED_STEPS)
+        if cap_mbit > 0:
+            capped = capped_column(rows, cap_steps, workdir, extra, cap_mbit)
+            failed = failed or any("error" in r for r in (capped or {}).values())
     print()
     print(f"Embedded workload (stdlib byte LM), {steps} optimizer steps, 2 CPU processes, Gloo:")
-    print(format_table(rows))
+    print(format_table(rows, capped, f"{cap_mbit:g} Mbit x 2 nodes"))
     print(
         "bytes sent/step: per rank, from lightning_dist.collectives counters (wire model: ring all-reduce);"
     )
     print(
         "Lightning's own DDPStrategy does not go through them. Step times are medians after 3 warm-up steps."
     )
+    if capped is not None:
+        print(
+            f"{cap_mbit:g} Mbit x 2 nodes: median step of a {cap_steps}-step run (first 3 steps not timed), one process in "
+            f"each of 2 network namespaces joined by a veth pair capped at {cap_mbit:g} Mbit/s per direction "
+            "(tc tbf); benchmarks/bench_cluster.py measures every cap and the references."
+        )
     return 1 if failed else 0
