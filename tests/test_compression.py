@@ -250,7 +250,7 @@ def test_dct_matrix_is_orthonormal_dct_ii() -> None:
 def test_demo_first_step_matches_naive_reference(sign: bool) -> None:
     w, n, chunk, k = 3, 21, 8, 2
     grads = rank_grads(w, [(3, 7)], 5)
-    out = step(ranks("demo", w, chunk_size=chunk, topk=k, sign=sign), grads)[0].reshape(-1)
+    out = step(ranks("demo", w, chunk_size=chunk, topk=k, sign=sign, values="fp32"), grads)[0].reshape(-1)
     total = torch.zeros(24, dtype=torch.float64)
     for g in grads:
         x = torch.nn.functional.pad(g[0].reshape(-1), (0, 24 - n))
@@ -271,7 +271,7 @@ def test_demo_first_step_matches_naive_reference(sign: bool) -> None:
 
 def test_demo_sending_every_coefficient_is_exact() -> None:
     grads = rank_grads(2, [(5, 13), (7,)], 1)
-    out = step(ranks("demo", 2, chunk_size=16, topk=16, sign=False), grads)
+    out = step(ranks("demo", 2, chunk_size=16, topk=16, sign=False, values="fp32"), grads)
     for o, ref in zip(out, average(grads), strict=True):
         assert torch.allclose(o, ref, atol=1e-5)
 
@@ -581,7 +581,10 @@ def test_ratios_against_fp32_ring() -> None:
     assert 0.25 < ratio["int8"] < 0.26
     assert ratio["topk"] == pytest.approx(w * 8 * 0.01 / 8, rel=0.01)
     assert ratio["sign"] == pytest.approx(w * (1 / 8 + 4 / 1024) / 8, rel=0.01)
-    assert ratio["demo"] == pytest.approx(w * (4 * 5 / 64) / 8, rel=0.01)
+    # per chunk of 64: 4 sign bits, a 20-bit code of the 4 positions, 1/64 of an fp32 scale
+    assert ratio["demo"] == pytest.approx(w * ((4 + 20) / 8 + 4 / 64) / 64 / 8, rel=0.01)
+    fp32_values = make_compressor("demo", values="fp32", indices="bytes").ratio(shapes, w)
+    assert fp32_values == pytest.approx(w * (4 * 5 / 64) / 8, rel=0.01)  # fp32 value + uint8 index
     n = 1024 * 1024
     assert ratio["powersgd"] == pytest.approx((2 * 1024 * 4 + 1024) / (n + 1024), rel=0.01)
 

@@ -8,6 +8,7 @@ uint8 tensor, so that every round is exactly one collective; each segment starts
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from collections.abc import Sequence
 from typing import Optional
@@ -147,13 +148,27 @@ def pack_uint(values: Tensor, bits: int) -> Tensor:
     return (stream * weights).sum(dim=-1, dtype=torch.uint8)
 
 
+def unpack_bits(stream: Tensor, n: int) -> Tensor:
+    """``unpack_uint(stream, 1, n)`` as bool."""
+    shifts8 = torch.arange(8, dtype=torch.uint8, device=stream.device)
+    return ((stream.unsqueeze(-1) >> shifts8) & 1).reshape(*stream.shape[:-1], -1)[..., :n].bool()
+
+
 def unpack_uint(stream: Tensor, bits: int, n: int) -> Tensor:
     """Inverse of ``pack_uint``: int64 [*lead, n] from uint8 [*lead, ceil(n * bits / 8)]."""
     lead = stream.shape[:-1]
     if bits == 0 or n == 0:
         return torch.zeros((*lead, n), dtype=torch.int64, device=stream.device)
+    if 2 <= bits <= 56 and sys.byteorder == "little":
+        # each field lies in the 8 bytes from its first byte: read them as one int64, shift, mask
+        start = torch.arange(n, dtype=torch.int64, device=stream.device) * bits
+        windows = F.pad(stream, (0, 8)).unfold(-1, 8, 1)  # [*lead, bytes + 1, 8], a view
+        words = windows.index_select(-2, start >> 3).contiguous().view(torch.int64).squeeze(-1)
+        return (words >> (start & 7)) & ((1 << bits) - 1)
     shifts8 = torch.arange(8, dtype=torch.uint8, device=stream.device)
     bit = ((stream.unsqueeze(-1) >> shifts8) & 1).reshape(*lead, -1)[..., : n * bits]
+    if bits == 1:
+        return bit.long()
     weights = torch.ones(bits, dtype=torch.int64, device=stream.device) << torch.arange(
         bits, dtype=torch.int64, device=stream.device
     )
@@ -184,8 +199,12 @@ def subset_rank(sorted_idx: Tensor, n: int) -> Tensor:
     return total
 
 
-def subset_unrank(ranks: Tensor, n: int, k: int) -> Tensor:
-    """Inverse of ``subset_rank``: int64 [*lead] -> the ascending subsets, int64 [*lead, k]."""
+def subset_unrank(ranks: Tensor, n: int, k: int, lookup: Optional[Tensor] = None) -> Tensor:
+    """Inverse of ``subset_rank``: int64 [*lead] -> the ascending subsets, int64 [*lead, k].
+
+    ``lookup``, if given, is ``subset_table(n, k)``: decoding is then one gather."""
+    if lookup is not None:
+        return lookup[ranks.long()].long()
     table = _binomials(n, k, ranks.device)
     rest = ranks.long().clone()
     out = torch.empty((*ranks.shape, k), dtype=torch.int64, device=ranks.device)
@@ -193,4 +212,35 @@ def subset_unrank(ranks: Tensor, n: int, k: int) -> Tensor:
         c = torch.searchsorted(table[i], rest.reshape(-1), right=True).view(rest.shape) - 1
         out[..., i] = c
         rest -= table[i][c]
+    return out
+
+
+def subset_table(n: int, k: int, device: torch.device) -> Tensor:
+    """Every k-subset of ``range(n)`` in the order of its number: uint8 (int16 for n > 256) [C(n, k), k],
+    so that row r is ``subset_unrank(r)``. Meant for small C(n, k) (4 of 64: 635,376 rows, 2.5 MB)."""
+    subsets = subset_unrank(torch.arange(subset_count(n, k), device=device), n, k)
+    return subsets.to(torch.uint8 if n <= 256 else torch.int16)
+
+
+def top_rows(x: Tensor, k: int) -> Tensor:
+    """Rows of the k largest-magnitude entries in each column of ``x`` [n, cols], largest first:
+    int64 [k, cols]. ``x`` is left as it was.
+
+    Fast path (fp32, n <= 1024, k <= 16): each entry's key is its fp32 pattern with the sign bit
+    cleared (|x|: non-negative floats order as their int32 patterns) and its row number in place of
+    the lowest ceil(log2(n)) bits, so every column's keys are distinct and k passes of a column max
+    (vectorised across columns) find the rows, each then knocked out. Magnitudes closer than
+    2**-(23 - ceil(log2(n))) relative (2**-17 for 64 rows) count as tied; ties go to the higher row;
+    nan and inf come first. Otherwise ``topk`` of ``x.abs()``."""
+    n = x.shape[0]
+    bits = bit_width(n)
+    if n > 1024 or k > 16 or x.dtype != torch.float32:
+        return x.abs().topk(k, dim=0).indices
+    rows = torch.arange(n, dtype=torch.int32, device=x.device).unsqueeze(-1)
+    keys = x.view(torch.int32).bitwise_and(0x7FFF_FFFF & ~((1 << bits) - 1)).bitwise_or_(rows)
+    out = torch.empty((k, x.shape[1]), dtype=torch.int64, device=x.device)
+    for j in range(k):
+        best = keys.amax(dim=0, keepdim=True)
+        out[j : j + 1] = best.bitwise_and((1 << bits) - 1)
+        keys.scatter_(0, out[j : j + 1], -1)
     return out
