@@ -146,6 +146,7 @@ def worker(a: argparse.Namespace) -> None:
             "world_size": trainer.world_size,
         }
         Path(a.out).write_text(json.dumps(result))
+    collectives.shutdown()  # no process group left to interpreter finalisation (it can abort the exit)
 
 
 # ------------------------------------------------------------------------------------------ controller
@@ -170,8 +171,10 @@ def _worker_argv(row: str, out: Path, a: argparse.Namespace, num_nodes: int, max
 
 def _env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[1])
+    # OMP_NUM_THREADS=1: Lightning otherwise gives a rank alone on its node (devices=1) every core
     return {
         **os.environ,
+        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
 
