@@ -27,6 +27,7 @@ from typing_extensions import override
 from lightning_dist import collectives
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
+from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import reduce_op_name
 
@@ -34,16 +35,6 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.compressed"
 COMPRESSED_REDUCE_OPS = ("avg", "adasum")
-
-
-def _to_cpu(tree: Any) -> Any:
-    if isinstance(tree, Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_cpu(v) for v in tree]
-    return tree
 
 
 def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, Any]) -> Compressor:
@@ -173,7 +164,7 @@ class Compressed(DDP):
         """This rank's compressor state and the bucket layout its keys refer to (CPU tensors)."""
         state: CompressedHookState = self.hook_state
         layout = state.layout or state.planned or {}
-        return {"state": _to_cpu(self.compressor.state_dict()), "layout": dict(layout)}
+        return {"state": to_cpu(self.compressor.state_dict()), "layout": dict(layout)}
 
     def gather_per_rank(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (picklable), in rank order, on every rank (called on all ranks)."""

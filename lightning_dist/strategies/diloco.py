@@ -42,6 +42,7 @@ from lightning_dist import collectives
 from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor, make_compressor
+from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
 
@@ -82,16 +83,6 @@ def build_diloco_compressor(compression: Union[None, str, Compressor]) -> Compre
             f"average); accepted: {accepted}"
         )
     return make_compressor(compression.lower())
-
-
-def _to_cpu(tree: Any) -> Any:
-    if isinstance(tree, Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
 
 
 def _persistent_float_buffers(module: nn.Module) -> list[Tensor]:
@@ -306,7 +297,7 @@ class DiLoCo(DDP):
                 "state_dict": self.lightning_module_state_dict(),
                 "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
             }
-        own = _to_cpu(
+        own = to_cpu(
             {
                 "state_dict": checkpoint["state_dict"],
                 "optimizer_states": list(checkpoint["optimizer_states"]),

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.compression import Compressor
+from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.horovod import Horovod
 
 logger = logging.getLogger(__name__)
@@ -32,16 +33,6 @@ logger = logging.getLogger(__name__)
 ADASUM_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 CHECKPOINT_KEY = "lightning_dist.horovod_adasum"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's optimizer_states, for r < W]}``."""
-
-
-def _to_cpu(tree: Any) -> Any:
-    if isinstance(tree, Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        return {k: _to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
 
 
 class HorovodAdasum(Horovod):
@@ -140,7 +131,7 @@ class HorovodAdasum(Horovod):
         if comm.world_size != self.world_size:
             # ``trainer.save_checkpoint`` after ``fit``: teardown uninstalled this strategy's transport
             comm = collectives.Communicator(self.backend)
-        own = _to_cpu(list(states))
+        own = to_cpu(list(states))
         ranks = [own]
         for r in range(1, self.world_size):
             got = comm.broadcast_object(own if self.global_rank == r else None, r)
