@@ -310,11 +310,25 @@ class _FlatAdasum:
             link.exchange(rank + p2, flat, None, self.chunk)
 
 
+def back_to_back(members: Sequence[Tensor]) -> Optional[Tensor]:
+    """A flat view over ``members`` when they lie back to back in one storage, in this order (a DDP
+    bucket's gradients), so they can be reduced in place without a fused copy; else None."""
+    first = members[0]
+    storage = first.untyped_storage().data_ptr()
+    expected = first.data_ptr()
+    for t in members:
+        if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage or t.data_ptr() != expected:
+            return None
+        expected += t.numel() * t.element_size()
+    total = sum(t.numel() for t in members)
+    return first.detach().as_strided((total,), (1,), first.storage_offset())
+
+
 def adasum_all_reduce(comm: Communicator, tensors: list[Tensor]) -> list[Tensor]:
     """Adasum of each tensor over all ranks of ``comm``, written in place; returns ``tensors``.
 
-    Tensors are fused per (dtype, device) into one buffer for the exchange, but the rule is applied
-    per tensor. Bytes really sent and received are counted under ``adasum``.
+    Tensors are fused per (dtype, device) into one buffer for the exchange (reduced where they are
+    when they already lie back to back in one storage), but the rule is applied per tensor. Bytes really sent and received are counted under ``adasum``.
     """
     for i, t in enumerate(tensors):
         if t.dtype not in SUPPORTED_DTYPES:
@@ -330,8 +344,9 @@ def adasum_all_reduce(comm: Communicator, tensors: list[Tensor]) -> list[Tensor]
         groups.setdefault((t.dtype, t.device), []).append(t)
     with torch.no_grad():
         for members in groups.values():
-            fused = len(members) > 1 or not members[0].is_contiguous()
-            flat = torch.cat([t.reshape(-1) for t in members]) if fused else members[0].view(-1)
+            span = back_to_back(members)
+            fused = span is None
+            flat = torch.cat([t.reshape(-1) for t in members]) if span is None else span
             staged = flat.cpu() if link.host_only and flat.device.type != "cpu" else flat
             _FlatAdasum(link, staged, [t.numel() for t in members]).run()
             if staged is not flat:

@@ -1,7 +1,8 @@
 """Dense all-reduce compressors: ``none`` (DDP's own average) and the fp16/bf16 casts.
 
-Each rank divides its flat gradient by W (not for Adasum, which combines rather than sums), casts it
-to the wire dtype and all-reduces it; the result comes back in the gradients' own dtypes.
+Each rank casts its flat gradient to the wire dtype, divides it by W there (not for Adasum, which
+combines rather than sums; the order of torch's fp16 hook, and half the bytes to divide) and
+all-reduces it; the result comes back in the gradients' own dtypes, cast once per tensor.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ class DenseAllReduce(Compressor):
         flat = flatten_native(tensors) if wire is None else flatten_fp32(tensors)
         if ctx.adasum:
             payload = flat.to(wire or flat.dtype, copy=True)
+        elif wire is None:
+            payload = flat / ctx.world_size
         else:
-            payload = (flat / ctx.world_size).to(wire or flat.dtype)
+            payload = flat.to(wire).div_(ctx.world_size)
         reduced = yield Round("allreduce", payload, "adasum" if ctx.adasum else "sum")
-        return unflatten(reduced if wire is None else reduced.float(), tensors)
+        return unflatten(reduced, tensors)
 
     @override
     def wire_bytes(self, shapes: Sequence[Shape], world_size: int, dtype: torch.dtype = torch.float32) -> int:

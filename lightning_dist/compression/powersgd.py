@@ -3,8 +3,8 @@
 Two all-reduce rounds per bucket. Matrices of equal shape are batched (``torch.bmm``):
   round 1  P = M Q for every matrix, plus the tensors left uncompressed (1-d ones, and those whose
            factors would not be ``min_compression_rate`` times smaller), in one fp32 payload
-  round 2  Q = M^T orth(P)
-and the result is orth(P) Q^T / W. With error feedback M is the gradient plus the residual M - result;
+  round 2  Q = M^T orth(P), computed and sent as its transpose orth(P)^T M
+and the result is (orth(P) / W) Q^T. With error feedback M is the gradient plus the residual M - result;
 with warm start each step's Q starts from the last one. Before ``start_step`` a plain all-reduce.
 """
 
@@ -170,9 +170,14 @@ class PowerSGD(Compressor):
         used_q: list[Tensor] = []
         offset = 0
         for g in plan.groups:
-            m = torch.stack([tensors[i].reshape(g.rows, g.cols) for i in g.members]).float()
-            if cfg.error_feedback and g.name in residuals:
-                m.add_(residuals[g.name])
+            members = [tensors[i].reshape(g.rows, g.cols) for i in g.members]
+            residual = residuals.get(g.name) if cfg.error_feedback else None
+            if residual is None:
+                m = torch.stack(members).float()
+            else:  # gradient + residual written once (not stacked, then added)
+                m = torch.empty(len(members), g.rows, g.cols, device=device)
+                for b, t in enumerate(members):
+                    torch.add(t, residual[b], out=m[b])
             q = qs.get(g.name) if cfg.warm_start else None
             if q is None:
                 q = self._initial_q(key, g, step, device)
@@ -196,15 +201,17 @@ class PowerSGD(Compressor):
 
         out: list[Optional[Tensor]] = [None] * len(tensors)
         if plan.groups:
+            # Q is computed and sent transposed, as P^T M [B, r, cols]: a skinny product with M's rows
+            # contiguous, ten times faster on CPU than M^T P (which walks M by columns).
             q_numel = sum(len(g.members) * g.cols * g.rank for g in plan.groups)
             payload2 = torch.empty(q_numel, device=device)
             offset = 0
             for g, m, p in zip(plan.groups, mats, ps, strict=True):
                 size = len(g.members) * g.cols * g.rank
                 torch.bmm(
-                    m.transpose(1, 2),
-                    p,
-                    out=payload2[offset : offset + size].view(len(g.members), g.cols, g.rank),
+                    p.transpose(1, 2),
+                    m,
+                    out=payload2[offset : offset + size].view(len(g.members), g.rank, g.cols),
                 )
                 offset += size
             reduced2 = yield Round("allreduce", payload2)
@@ -212,11 +219,12 @@ class PowerSGD(Compressor):
             offset = 0
             for g, m, p, q_used in zip(plan.groups, mats, ps, used_q, strict=True):
                 size = len(g.members) * g.cols * g.rank
-                q = reduced2[offset : offset + size].view(len(g.members), g.cols, g.rank)
+                qt = reduced2[offset : offset + size].view(len(g.members), g.rank, g.cols)
                 offset += size
-                approx = torch.bmm(p, q.transpose(1, 2)).div_(w)
+                # 1/W goes on the small factor, not on the rows x cols product (one pass fewer)
+                approx = torch.bmm(p.div(w), qt)
                 if cfg.warm_start:
-                    qs[g.name] = keep_if(ok, q, q_used)
+                    qs[g.name] = keep_if(ok, qt.transpose(1, 2).contiguous(), q_used)
                 if cfg.error_feedback:
                     residuals[g.name] = keep_if(ok, m.sub_(approx), residuals.get(g.name))
                 for b, i in enumerate(g.members):

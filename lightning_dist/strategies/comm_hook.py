@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dist import collectives
+from lightning_dist.collectives.adasum import back_to_back
 
 
 @dataclass
@@ -28,12 +29,14 @@ def collectives_hook(
     buffer = bucket.buffer()
     if state.reduce_op != "adasum":
         return comm.all_reduce_async(buffer, state.reduce_op)
-    grads = [g.clone() for g in bucket.gradients()]
+    # The gradients are views of the bucket's buffer, back to back: Adasum reduces them in place there.
+    grads = bucket.gradients()
     fut = comm.all_reduce_async(grads, "adasum")
 
     def _write_back(f: Future) -> Tensor:  # type: ignore[type-arg]
         reduced = f.value()
-        torch.cat([g.reshape(-1) for g in reduced], out=buffer)
+        if back_to_back(reduced) is None or reduced[0].data_ptr() != buffer.data_ptr():
+            torch.cat([g.reshape(-1) for g in reduced], out=buffer)
         return buffer
 
     return fut.then(_write_back)
