@@ -3,7 +3,7 @@ vector-halving/distance-doubling exchange at 2-5 ranks over real Gloo groups (th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -273,9 +273,9 @@ class RecordingBackend(TorchBackend):
         return super().recv(tensor, src, tag)
 
     @override
-    def all_reduce(self, tensor: torch.Tensor, op: str) -> Future:
+    def all_reduce(self, tensor: torch.Tensor, op: str, name: Optional[str] = None) -> Future:
         self.calls.append(("all_reduce", 0))
-        return super().all_reduce(tensor, op)
+        return super().all_reduce(tensor, op, name)
 
 
 @pytest.mark.parametrize("world_size", [3, 4])

@@ -100,8 +100,11 @@ class Backend(ABC):
         return tensor.to(self.device_type)
 
     @abstractmethod
-    def all_reduce(self, tensor: Tensor, op: str) -> Future:
-        """Reduce ``tensor`` in place over ranks with ``op`` in sum/avg/min/max; future -> tensor."""
+    def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
+        """Reduce ``tensor`` in place over ranks with ``op`` in sum/avg/min/max; future -> tensor.
+
+        ``name``: the same on every rank and at every step for the same tensor, for transports that
+        cache their negotiation by name (Horovod's response cache); others ignore it."""
 
     def all_reduce_bytes(self, nbytes: int, dtype: torch.dtype) -> int:
         """Bytes this rank sends (and receives) in ``all_reduce`` of ``nbytes`` of ``dtype``; the

@@ -269,8 +269,9 @@ class Communicator:
         return self.backend.all_reduce_bytes(_nbytes(t), t.dtype)
 
     # -- all_reduce -------------------------------------------------------------------------
-    def all_reduce_async(self, tensor: TensorOrList, op: str = "sum") -> Future:
-        """Reduce in place; a list is reduced as one fused buffer (Adasum: per tensor)."""
+    def all_reduce_async(self, tensor: TensorOrList, op: str = "sum", name: Optional[str] = None) -> Future:
+        """Reduce in place; a list is reduced as one fused buffer (Adasum: per tensor). ``name``
+        (the same on every rank and step for the same tensor) goes to the backend (``Backend.all_reduce``)."""
         op = check_reduce_op(op)
         tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
         single = isinstance(tensor, Tensor)
@@ -285,7 +286,7 @@ class Communicator:
             t = tensors[0]
             nbytes = self._all_reduce_bytes(t)
             return self._post(
-                "all_reduce", nbytes, nbytes, lambda: backend.all_reduce(t, op), _describe(t, op)
+                "all_reduce", nbytes, nbytes, lambda: backend.all_reduce(t, op, name), _describe(t, op)
             )
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
         nbytes = self._all_reduce_bytes(flat)
@@ -300,9 +301,9 @@ class Communicator:
             return tensors
 
         detail = _describe(tensors, op)
-        return self._post("all_reduce", nbytes, nbytes, lambda: backend.all_reduce(flat, op), detail).then(
-            _unflatten
-        )
+        return self._post(
+            "all_reduce", nbytes, nbytes, lambda: backend.all_reduce(flat, op, name), detail
+        ).then(_unflatten)
 
     def all_reduce(self, tensor: TensorOrList, op: str = "sum") -> Any:
         fut = self.all_reduce_async(tensor, op)

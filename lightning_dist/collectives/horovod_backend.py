@@ -113,18 +113,19 @@ class HorovodBackend(Backend):
         return self._submit(handle, lambda _: tensor if work is tensor else tensor.copy_(work))
 
     @override
-    def all_reduce(self, tensor: Tensor, op: str) -> Future:
-        """Horovod's all-reduce. Horovod 0.28 cannot reduce bfloat16: up to
+    def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
+        """Horovod's all-reduce (``name`` lets Horovod's response cache skip the negotiation of a
+        tensor it has seen: unnamed ops get a new name each call). Horovod 0.28 cannot reduce bfloat16: up to
         ``BF16_GATHER_MAX_WORLD`` ranks a bf16 tensor is all-gathered as int16 words and reduced in
         float32 in rank order (every rank gets the same result); beyond, it is reduced as float32.
         Either way the result is cast back into ``tensor``."""
         hvd_op = self._op(op)
         if tensor.dtype != torch.bfloat16:
-            return self._in_place(tensor, lambda work: self.hvd.allreduce_async_(work, op=hvd_op))
+            return self._in_place(tensor, lambda work: self.hvd.allreduce_async_(work, op=hvd_op, name=name))
         w = self.world_size
         if w > BF16_GATHER_MAX_WORLD:
             wide = tensor.float().contiguous()
-            handle = self.hvd.allreduce_async_(wide, op=hvd_op)
+            handle = self.hvd.allreduce_async_(wide, op=hvd_op, name=name)
             return self._submit(handle, lambda _: tensor.copy_(wide))
         shape = tensor.shape
 
@@ -262,7 +263,10 @@ class HorovodBackend(Backend):
                 raise ValueError(
                     f"op='adasum': tensor {i} has dtype {t.dtype}; accepted: float16, bfloat16, float32, float64"
                 )
-            handles.append((t, work, hvd.allreduce_async_(work, op=hvd.Adasum)))
+            # named, so Horovod's response cache recognises the same tensors at every step
+            handles.append(
+                (t, work, hvd.allreduce_async_(work, op=hvd.Adasum, name=f"lightning_dist.adasum.{i}"))
+            )
         nbytes = 0
         for t, work, handle in handles:
             hvd.synchronize(handle)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import Tensor
 from torch.futures import Future
@@ -28,7 +28,7 @@ class SingleProcessBackend(Backend):
         return 1
 
     @override
-    def all_reduce(self, tensor: Tensor, op: str) -> Future:
+    def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
         return completed_future(tensor)
 
     @override

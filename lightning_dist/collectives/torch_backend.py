@@ -141,7 +141,7 @@ class TorchBackend(Backend):
         return name.lower()
 
     @override
-    def all_reduce(self, tensor: Tensor, op: str) -> Future:
+    def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
         opts = dist.AllreduceOptions()
         if op == "avg":
             # Divide first, then sum: the order torch's DDP reducer uses, so results match it bitwise.

@@ -92,6 +92,8 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self._sync_grads = True
         self._pending: list[tuple[Tensor, Optional[Future], Optional[Exchange]]] = []
         self._hook_handles: list[Any] = []
+        self._reductions: dict[int, int] = {}
+        """Per parameter key: all-reduces started since the last wait (names the next one)."""
         self.applied_lr_scale = 1.0
 
     # -- ranks and devices -----------------------------------------------------------------------
@@ -234,7 +236,14 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
                 return
             grad = param.grad
             if self.compressor is None or not grad.is_floating_point():
-                self._pending.append((grad, comm().all_reduce_async(grad, op), None))
+                # named per parameter, as Horovod's optimizer does: its response cache then skips
+                # the negotiation of every gradient after the first step (a second reduction of the
+                # same parameter before the step, e.g. two backward passes, gets its own name)
+                count = self._reductions.get(key, 0)
+                self._reductions[key] = count + 1
+                name = f"lightning_dist.grad.{key}" + (f".{count}" if count else "")
+                fut = comm().all_reduce_async(grad, op, name=name)
+                self._pending.append((grad, fut, None))
                 return
             # started for world size 1: Horovod's all-reduce with `op` does the averaging
             ex = self.compressor.exchange(key, grad, world_size=1)
@@ -246,6 +255,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     def _wait_for_gradients(self) -> None:
         """Finish every exchange (later rounds in hook order, the same on every rank), write back."""
         pending, self._pending = self._pending, []
+        self._reductions.clear()
         op = "avg" if self.op == "average" else "sum"
         comm = collectives.current()
         chain: Optional[Future] = None
@@ -292,6 +302,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
             handle.remove()
         self._hook_handles.clear()
         self._pending.clear()
+        self._reductions.clear()
         super().teardown()
         collectives.release()
 
