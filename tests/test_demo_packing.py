@@ -332,3 +332,58 @@ def test_bad_options_name_the_option() -> None:
         ):
             make_compressor("demo", **options)
     make_compressor("demo", chunk_size=256, topk=64, indices="bits")
+
+
+# -- vectorised fast paths against their plain forms -----------------------------------------------
+@pytest.mark.parametrize("m", [1, 3, 64, 1001])
+def test_pack_bits_fast_path_matches_weighted_sum(m: int) -> None:
+    from lightning_dist.compression.packing import bits_to_bytes
+
+    bools = torch.rand(8 * m + 8, generator=torch.Generator().manual_seed(m)) < 0.5
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    for view in (bools[: 8 * m], bools[8 : 8 * m + 8], bools[1 : 8 * m + 1]):  # aligned and not
+        ref = (view.view(-1, 8).to(torch.uint8) * weights).sum(dim=-1, dtype=torch.uint8)
+        assert torch.equal(pack_bits(view), ref)
+        assert torch.equal(bits_to_bytes(view.to(torch.uint8)), ref)
+    assert pack_bits(torch.ones(8, dtype=torch.bool)).item() == 255
+
+
+def test_unpack_signs_table_matches_shifts() -> None:
+    from lightning_dist.compression.sign import unpack_signs
+
+    bits = torch.arange(256, dtype=torch.uint8).repeat(3)
+    ref = ((bits.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).view(-1).float().mul_(2).sub_(1)
+    assert torch.equal(unpack_signs(bits), ref)
+    buf = torch.full((bits.numel() * 8,), 7.0)
+    assert torch.equal(unpack_signs(bits, out=buf), ref) and torch.equal(buf, ref)
+    positive = torch.rand(800, generator=torch.Generator().manual_seed(0)) < 0.5
+    assert torch.equal(unpack_signs(pack_bits(positive)) > 0, positive)
+
+
+@pytest.mark.parametrize("n,k", [(64, 4), (20, 3), (9, 2), (16, 1)])
+def test_subset_lookup_by_rows_matches_unrank(n: int, k: int) -> None:
+    table = subset_table(n, k, torch.device("cpu"))
+    ranks = torch.randint(0, math.comb(n, k), (2, 37), generator=torch.Generator().manual_seed(n))
+    assert torch.equal(subset_unrank(ranks, n, k, lookup=table), subset_unrank(ranks, n, k))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 8, 9, 12])
+def test_ascending_sorts_each_column(k: int) -> None:
+    from lightning_dist.compression.decoupled_momentum import _ascending
+
+    gen = torch.Generator().manual_seed(k)
+    idx = torch.stack([torch.randperm(64, generator=gen)[:k] for _ in range(50)]).T.contiguous()
+    assert torch.equal(_ascending(idx), idx.sort(dim=0).values)
+
+
+def test_top_rows_with_work_buffer_matches_without() -> None:
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    work = torch.full((64 * 300,), 3.0)
+    assert torch.equal(top_rows(x, 4, work=work), top_rows(x, 4))
+
+
+def test_scatter_ranks_into_a_dirty_buffer_matches_a_fresh_one() -> None:
+    idx = torch.tensor([[0, 5, 9], [5, 2, 0]])
+    vals = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    out = torch.full((10,), float("nan"))
+    assert torch.equal(scatter_ranks(10, idx, vals, out=out), scatter_ranks(10, idx, vals))

@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -45,21 +44,25 @@ from typing_extensions import override
 
 from lightning_dist.checks import check_bool, check_choice, check_int, check_number
 from lightning_dist.compression.packing import (
+    ScratchPool,
     all_finite,
     bit_stream_bytes,
     bit_width,
+    give_scratch,
+    keep_if,
     pack_uint,
     packed_bytes,
     subset_count,
     subset_rank,
     subset_table,
     subset_unrank,
+    take_scratch,
     top_rows,
     unflatten,
-    unpack_bits,
     unpack_uint,
 )
 from lightning_dist.compression.protocol import Compressor, Context, Key, Rounds, packed_round
+from lightning_dist.compression.sign import unpack_signs
 from lightning_dist.compression.sparse import scatter_ranks
 from lightning_dist.compression.wire import Shape, all_gather_bytes, total_numel
 
@@ -185,18 +188,32 @@ class DeMo(Compressor):
         st, _ = self._begin_step(key, tensors)
         n = sum(t.numel() for t in tensors)
         chunks = -(-n // cs)
-        x = torch.empty(chunks * cs, dtype=torch.float32, device=tensors[0].device)
-        torch.cat([t.reshape(-1).float() for t in tensors], out=x[:n])
-        x[n:] = 0.0
+        if len(tensors) == 1 and tensors[0].dtype == torch.float32 and n == chunks * cs:
+            x = tensors[0].reshape(-1)  # whole chunks already: read the input in place
+        else:
+            x = torch.empty(chunks * cs, dtype=torch.float32, device=tensors[0].device)
+            torch.cat([t.reshape(-1).float() for t in tensors], out=x[:n])
+            x[n:] = 0.0
         d = self._matrix(x.device)
         old = st.get("momentum")
         # m <- beta * m + DCT(g), in one GEMM
         xt = x.view(chunks, cs).T
-        mt = d @ xt if old is None else torch.addmm(old.T, d, xt, beta=cfg.beta)
-        idx_t = top_rows(mt, k)  # [k, chunks], largest |m| first
+        # on CPU the new momentum goes into the storage of the one before last (the pool's spare),
+        # and one scratch buffer holds top_rows' keys now, the gathered coefficients after the round
+        pool: ScratchPool = self._derive("scratch", dict)
+        spare = take_scratch(pool, ("momentum", key), chunks * cs, x.device).view(cs, chunks)
+        if old is None:
+            mt = torch.mm(d, xt, out=spare)
+        else:
+            mt = torch.addmm(old.T, d, xt, beta=cfg.beta, out=spare)
+        work = take_scratch(pool, ("work", key), chunks * cs, x.device)
+        idx_t = top_rows(mt, k, work=work)  # [k, chunks], largest |m| first
         if cfg.indices == "subset":
             idx_t = _ascending(idx_t)  # the combinatorial number codes a set: send it ascending
-        values_t = mt.gather(0, idx_t)
+        # flat positions of the chosen entries in mt's storage: index_select and index_copy_ on
+        # them cost a fraction of gather / scatter_ along dim 0
+        flat_t = (idx_t * chunks).add_(torch.arange(chunks, device=x.device))
+        values_t = mt.view(-1).index_select(0, flat_t.view(-1)).view(k, chunks)
         if cfg.values == "fp32":
             parts = [values_t.T.reshape(-1)]
             sent_t = values_t
@@ -215,18 +232,22 @@ class DeMo(Compressor):
             ok = all_finite(received[0])
         else:
             g_scale, g_signs = received[0], received[1]
-            positive = unpack_bits(g_signs, chunks * k).view(w, chunks, k)
+            signs = unpack_signs(g_signs.reshape(-1)).view(w, -1)[:, : chunks * k]
             scale_r = g_scale.repeat_interleave(cfg.scale_group, dim=-1)[:, :chunks, None]
-            g_values = positive.float().mul_(2).sub_(1).mul_(scale_r)
+            g_values = signs.reshape(w, chunks, k).mul_(scale_r)
             ok = all_finite(g_scale)
         # DeMo's momentum loses what was sent; a skipped (non-finite) step leaves it as it was
-        mt.scatter_(0, idx_t, values_t - sent_t)
-        st["momentum"] = _keep_if(ok, mt.T, old)
+        mt.view(-1).index_copy_(0, flat_t.view(-1), (values_t - sent_t).view(-1))
+        st["momentum"] = keep_if(ok, mt.T, old)
+        unused = old if st["momentum"] is not old else mt.T  # the momentum not kept is spare
+        if unused is not None and unused.T.is_contiguous():
+            give_scratch(pool, ("momentum", key), unused.T.reshape(-1))
         if not cfg.sign:
             g_values = g_values / w  # the sign of the average is the sign of the sum
         positions = g_idx + torch.arange(0, chunks * cs, cs, device=x.device).view(1, chunks, 1)
-        dense = scatter_ranks(chunks * cs, positions.view(w, -1), g_values.reshape(w, -1))
+        dense = scatter_ranks(chunks * cs, positions.view(w, -1), g_values.reshape(w, -1), out=work)
         out = (dense.view(chunks, cs) @ d).view(-1)[:n]
+        give_scratch(pool, ("work", key), work)
         if cfg.sign:
             out = out.sign_()
         return unflatten(out, tensors)
@@ -248,17 +269,18 @@ class DeMo(Compressor):
 
 
 def _ascending(idx: Tensor) -> Tensor:
-    """Each column of distinct positions [k, cols] in ascending order (a k x k count of smaller
-    entries places each one; cheaper than a sort for small k)."""
+    """Each column of distinct positions [k, cols] in ascending order. Up to 8 rows: an odd-even
+    transposition network of row-wise min / max (a few passes over [cols]); above, a k x k count of
+    smaller entries places each one. Both are cheaper than a sort along dim 0."""
+    k = idx.shape[0]
+    if k <= 8:
+        rows = list(idx.unbind(0))
+        for p in range(k):
+            for i in range(p % 2, k - 1, 2):
+                rows[i], rows[i + 1] = (
+                    torch.minimum(rows[i], rows[i + 1]),
+                    torch.maximum(rows[i], rows[i + 1]),
+                )
+        return torch.stack(rows)
     place = (idx.unsqueeze(0) < idx.unsqueeze(1)).sum(dim=1)  # [k, cols]: entries below each one
     return torch.empty_like(idx).scatter_(0, place, idx)
-
-
-def _keep_if(ok: Tensor, new: Tensor, old: Optional[Tensor]) -> Tensor:
-    """``new`` where ``ok`` else ``old`` (zeros when there is none). On CPU reading the flag costs
-    nothing, so the whole-tensor select is skipped; elsewhere it stays on the device (no sync)."""
-    if ok.device.type == "cpu":
-        if bool(ok):
-            return new
-        return old if old is not None else torch.zeros_like(new)
-    return torch.where(ok, new, torch.zeros((), device=new.device) if old is None else old)

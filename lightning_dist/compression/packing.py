@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Optional
 
 import torch
@@ -106,8 +106,35 @@ def all_finite(*tensors: Tensor) -> Tensor:
 
 
 def keep_if(ok: Tensor, new: Tensor, old: Optional[Tensor]) -> Tensor:
-    """``new`` where ``ok`` else ``old`` (zeros when there is none): state survives a skipped step."""
+    """``new`` where ``ok`` else ``old`` (zeros when there is none): state survives a skipped step.
+
+    On CPU the flag is read (no device to sync with) and ``new`` itself is kept: a ``torch.where``
+    over a multi-megabyte residual costs as much as the compression around it."""
+    if ok.device.type == "cpu":
+        if bool(ok):
+            return new
+        return torch.zeros_like(new) if old is None else old
     return torch.where(ok, new, torch.zeros((), device=new.device) if old is None else old)
+
+
+ScratchPool = dict[Hashable, Tensor]
+"""Spare buffers of a compressor, by what they are for (one per key: never two users at once)."""
+
+
+def take_scratch(pool: ScratchPool, name: Hashable, numel: int, device: torch.device) -> Tensor:
+    """A contiguous fp32 buffer of ``numel`` (contents undefined), taken out of ``pool`` while in
+    use, or a fresh one. On CPU a fresh multi-megabyte buffer costs its page faults every step."""
+    buf = pool.pop(name, None)
+    if buf is None or buf.numel() != numel or buf.device != device:
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+    return buf
+
+
+def give_scratch(pool: ScratchPool, name: Hashable, buf: Tensor) -> None:
+    """Put ``buf`` (no longer used, referenced nowhere else) back in ``pool`` for the next step;
+    only on CPU (device allocators cache freed blocks themselves)."""
+    if buf.device.type == "cpu":
+        pool[name] = buf
 
 
 def stable_seed(*parts: object) -> int:
@@ -133,6 +160,27 @@ def bit_stream_bytes(count: int, bits: int) -> int:
     return -(-count * bits // 8)
 
 
+_GATHER_BITS = 0x0102040810204080
+"""Times 8 bytes of 0/1 read as one little-endian int64: bit i of the top byte is byte i (every
+product term lands on its own bit, so nothing carries)."""
+
+
+def bits_to_bytes(bits: Tensor) -> Tensor:
+    """0/1 bytes (bool or uint8) [*lead, 8m] -> uint8 [*lead, m], element i in bit i % 8 of byte
+    i // 8. Fast path: each 8 bytes read as one int64 and gathered into its top byte by a multiply
+    (one pass over m words instead of several over 8m bytes)."""
+    if (
+        sys.byteorder == "little"
+        and bits.is_contiguous()
+        and bits.shape[-1] % 8 == 0
+        and bits.storage_offset() % 8 == 0
+    ):
+        words = bits.view(torch.uint8).view(torch.int64)
+        return words.mul(_GATHER_BITS).bitwise_right_shift_(56).to(torch.uint8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    return (bits.reshape(*bits.shape[:-1], -1, 8).to(torch.uint8) * weights).sum(dim=-1, dtype=torch.uint8)
+
+
 def pack_uint(values: Tensor, bits: int) -> Tensor:
     """Integers in ``[0, 2**bits)``, shaped [*lead, n], as one little-endian bit stream per row:
     uint8 [*lead, ceil(n * bits / 8)]; bit j of value i is bit (i*bits + j) % 8 of byte
@@ -141,11 +189,11 @@ def pack_uint(values: Tensor, bits: int) -> Tensor:
     nbytes = bit_stream_bytes(n, bits)
     if nbytes == 0:
         return torch.zeros((*lead, 0), dtype=torch.uint8, device=values.device)
-    shifts = torch.arange(bits, dtype=torch.int64, device=values.device)
-    stream = ((values.long().unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(*lead, n * bits)
-    stream = F.pad(stream, (0, nbytes * 8 - n * bits)).view(*lead, nbytes, 8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=values.device)
-    return (stream * weights).sum(dim=-1, dtype=torch.uint8)
+    dtype = torch.int32 if bits <= 31 else torch.int64  # narrower bit planes when they fit
+    shifts = torch.arange(bits, dtype=dtype, device=values.device)
+    stream = ((values.to(dtype).unsqueeze(-1) >> shifts) & 1).to(torch.uint8).reshape(*lead, n * bits)
+    stream = F.pad(stream, (0, nbytes * 8 - n * bits))
+    return bits_to_bytes(stream)
 
 
 def unpack_bits(stream: Tensor, n: int) -> Tensor:
@@ -199,12 +247,22 @@ def subset_rank(sorted_idx: Tensor, n: int) -> Tensor:
     return total
 
 
+_ROW_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""Integer dtypes as wide as a lookup row of this many bytes."""
+
+
 def subset_unrank(ranks: Tensor, n: int, k: int, lookup: Optional[Tensor] = None) -> Tensor:
     """Inverse of ``subset_rank``: int64 [*lead] -> the ascending subsets, int64 [*lead, k].
 
     ``lookup``, if given, is ``subset_table(n, k)``: decoding is then one gather."""
-    if lookup is not None:
-        return lookup[ranks.long()].long()
+    if lookup is not None:  # one gather of whole rows: index_select, far cheaper than indexing
+        flat = ranks.reshape(-1).long()
+        row_dtype = _ROW_DTYPES.get(lookup.shape[-1] * lookup.element_size())
+        if row_dtype is not None and lookup.is_contiguous():  # each row as one integer
+            rows = lookup.view(row_dtype).view(-1).index_select(0, flat).view(lookup.dtype)
+        else:
+            rows = lookup.index_select(0, flat)
+        return rows.view(*ranks.shape, lookup.shape[-1]).long()
     table = _binomials(n, k, ranks.device)
     rest = ranks.long().clone()
     out = torch.empty((*ranks.shape, k), dtype=torch.int64, device=ranks.device)
@@ -222,7 +280,7 @@ def subset_table(n: int, k: int, device: torch.device) -> Tensor:
     return subsets.to(torch.uint8 if n <= 256 else torch.int16)
 
 
-def top_rows(x: Tensor, k: int) -> Tensor:
+def top_rows(x: Tensor, k: int, work: Optional[Tensor] = None) -> Tensor:
     """Rows of the k largest-magnitude entries in each column of ``x`` [n, cols], largest first:
     int64 [k, cols]. ``x`` is left as it was.
 
@@ -231,16 +289,25 @@ def top_rows(x: Tensor, k: int) -> Tensor:
     the lowest ceil(log2(n)) bits, so every column's keys are distinct and k passes of a column max
     (vectorised across columns) find the rows, each then knocked out. Magnitudes closer than
     2**-(23 - ceil(log2(n))) relative (2**-17 for 64 rows) count as tied; ties go to the higher row;
-    nan and inf come first. Otherwise ``topk`` of ``x.abs()``."""
+    nan and inf come first. Otherwise ``topk`` of ``x.abs()``.
+
+    ``work``, if given, is a contiguous tensor of ``x.numel()`` 4-byte entries that the fast path
+    overwrites with its keys (instead of a fresh buffer), for a caller that reuses it."""
     n = x.shape[0]
     bits = bit_width(n)
     if n > 1024 or k > 16 or x.dtype != torch.float32:
         return x.abs().topk(k, dim=0).indices
     rows = torch.arange(n, dtype=torch.int32, device=x.device).unsqueeze(-1)
-    keys = x.view(torch.int32).bitwise_and(0x7FFF_FFFF & ~((1 << bits) - 1)).bitwise_or_(rows)
+    mask = 0x7FFF_FFFF & ~((1 << bits) - 1)
+    if work is None:
+        keys = x.view(torch.int32).bitwise_and(mask)
+    else:
+        keys = torch.bitwise_and(x.view(torch.int32), mask, out=work.view(torch.int32).view(x.shape))
+    keys.bitwise_or_(rows)
     out = torch.empty((k, x.shape[1]), dtype=torch.int64, device=x.device)
     for j in range(k):
         best = keys.amax(dim=0, keepdim=True)
         out[j : j + 1] = best.bitwise_and((1 << bits) - 1)
-        keys.scatter_(0, out[j : j + 1], -1)
+        if j + 1 < k:  # the keys are dropped after the last pass: no knock-out needed
+            keys.scatter_(0, out[j : j + 1], -1)
     return out

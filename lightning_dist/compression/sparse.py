@@ -16,15 +16,16 @@ from lightning_dist.compression.protocol import Round, packed_round
 from lightning_dist.compression.wire import all_gather_bytes
 
 
-def scatter_ranks(numel: int, indices: Tensor, values: Tensor) -> Tensor:
+def scatter_ranks(numel: int, indices: Tensor, values: Tensor, out: Optional[Tensor] = None) -> Tensor:
     """Sum rows of sparse (indices, values) [W, k] into a dense fp32 vector, rank by rank
     (in rank order, so every rank gets the same bits). The indices of one row must be distinct.
 
     On CPU this is one ``index_add_`` over the rows laid end to end: it adds entry by entry in that
     order, so each position sums its ranks in rank order, bitwise as a loop over ranks would. Other
     devices add repeated indices atomically in no fixed order, so there it is one scatter per rank
-    (distinct indices within a rank: no two writes race)."""
-    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    (distinct indices within a rank: no two writes race). ``out``, if given, is a contiguous fp32
+    tensor of ``numel`` (its contents are overwritten) to sum into instead of a fresh one."""
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device) if out is None else out.zero_()
     if values.device.type == "cpu":
         return out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).float())
     for idx, val in zip(indices.long(), values, strict=True):

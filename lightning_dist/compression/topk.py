@@ -31,6 +31,34 @@ class TopKConfig:
         check_bool("error_feedback", self.error_feedback, owner="topk")
 
 
+SAMPLED_MIN_NUMEL = 1 << 16
+"""Vectors of at least this many entries pick their top k (on CPU) through a sampled threshold."""
+
+
+def largest_magnitudes(
+    x: Tensor, k: int, *, stride: int = 97, margin: float = 1.5, min_numel: int = SAMPLED_MIN_NUMEL
+) -> Tensor:
+    """Indices (int64, in no particular order) of the k largest |x| of a flat vector, as
+    ``x.abs().topk(k).indices`` (nan counts as largest; which of tied entries is unspecified).
+
+    A full ``topk`` over millions of entries costs tens of ms on CPU, so there the k-th largest is
+    estimated from every ``stride``-th entry (an odd prime: no alignment with matrix rows), lowered
+    to keep about ``margin`` * k candidates, and ``topk`` runs over the candidates alone. When fewer
+    than k pass the threshold (a sample that misjudged it), it falls back to the full ``topk``; when
+    at least k do, they hold every one of the k largest, so the answer is exact either way."""
+    n = x.numel()
+    a = x.abs()
+    samples = -(-n // stride)
+    want = math.ceil(margin * k * samples / n)
+    if x.device.type != "cpu" or n < min_numel or 2 * want > samples:
+        return a.topk(k, sorted=False).indices
+    thr = a[::stride].topk(want, sorted=False).values.min()
+    candidates = (a < thr).logical_not_().nonzero().view(-1)  # |x| >= thr, and nan
+    if candidates.numel() < k:
+        return a.topk(k, sorted=False).indices
+    return candidates[a[candidates].topk(k, sorted=False).indices]
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """The narrowest index dtype for a vector of ``numel`` entries."""
     return torch.int32 if numel < 2**31 else torch.int64
@@ -56,10 +84,12 @@ class TopK(Compressor):
         ef = self.config.error_feedback
         old = st.get("residual") if ef else None
         acc = flat + old if old is not None else flat
-        _, idx = acc.abs().topk(k, sorted=False)
+        idx = largest_magnitudes(acc, k)
         dense, ok = yield from gather_sparse(n, acc[idx], idx.to(index_dtype(n)))
         if ef:
-            st["residual"] = keep_if(ok, acc.index_fill(0, idx, 0.0), old)
+            # acc is a fresh tensor when there is an old residual: zero the sent entries in place
+            rest = acc.index_fill_(0, idx, 0.0) if old is not None else acc.index_fill(0, idx, 0.0)
+            st["residual"] = keep_if(ok, rest, old)
         return unflatten(dense.div_(ctx.world_size), tensors)
 
     @override
