@@ -31,7 +31,8 @@ torch DDP at the same cap, bytes sent per step by rank 0 (a) from the pack's col
 (pack strategies only) and (b) on the wire: the tx bytes of rank 0's veth (/proc/net/dev in its
 namespace) over the timed steps, headers included, for every row; the link-limit time for (b) at the
 cap (what tbf lets through: the floor for that step), and the loss on a fixed evaluation set after
-(warmup + steps) x batch x 2 samples. Writes OUT/cluster.md, OUT/cluster.json and OUT/cluster.png.
+(warmup + steps) x batch x 2 samples. Writes OUT/cluster.md, OUT/cluster.json and OUT/cluster.png;
+with ``--timeline DIR`` also a Timeline (Chrome trace of both ranks) of every pack run in DIR.
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--out", default=str(BENCH_DIR / "results"), help="output folder (default benchmarks/results)"
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 120 + 30 per step)")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="also write a Timeline (Chrome trace, both ranks) of every pack run to DIR")  # fmt: skip
+    p.add_argument("--timeline-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
@@ -346,7 +350,7 @@ def run_lightning(row: Row, a: argparse.Namespace) -> dict[str, Any]:
         strategy=_lightning_strategy(row),
         max_steps=a.warmup + a.steps,
         limit_val_batches=0,
-        callbacks=[monitor, wire],
+        callbacks=[monitor, wire, *_timeline(a)],
     )
     trainer.fit(module)
     result = {
@@ -360,6 +364,14 @@ def run_lightning(row: Row, a: argparse.Namespace) -> dict[str, Any]:
         result["loss"] = _eval_loss(module)
     collectives.shutdown()
     return result
+
+
+def _timeline(a: argparse.Namespace) -> list[Any]:
+    if not a.timeline_out:
+        return []
+    from lightning_dist.callbacks import Timeline
+
+    return [Timeline(a.timeline_out)]
 
 
 def _timed_loop(
@@ -503,10 +515,21 @@ def _kill_group(proc: subprocess.Popen[Any]) -> None:
     proc.wait(timeout=10)
 
 
-def launch(cluster: Any, row: Row, model: str, a: argparse.Namespace, out: str, port: int) -> dict[str, Any]:
-    """One run of ``row`` on ``model`` across the cluster's 2 nodes; rank 0's result or {'error': ...}."""
+def launch(
+    cluster: Any,
+    row: Row,
+    model: str,
+    a: argparse.Namespace,
+    out: str,
+    port: int,
+    trace: Optional[str] = None,
+) -> dict[str, Any]:
+    """One run of ``row`` on ``model`` across the cluster's 2 nodes; rank 0's result or {'error': ...}.
+    ``trace``: where a pack row writes its Timeline."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", row.key, "--model", model,
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--json-out", out]  # fmt: skip
+    if trace and row.ours:
+        argv += ["--timeline-out", trace]
     timeout = a.timeout or 120 + 30 * (a.steps + a.warmup)
     cluster.master_port = port  # a fresh rendezvous port per run: no TIME_WAIT leftovers of the last one
     env = _env()
@@ -724,7 +747,11 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
                         for row in runnable[shift:] + runnable[:shift]:
                             t0 = time.monotonic()
                             port = 29500 + (port - 29499) % 400
-                            res = launch(cluster, row, model, a, os.path.join(tmp, "r.json"), port)
+                            trace = None
+                            if a.timeline:
+                                name = f"{model}_{cap_label(cap).replace(' ', '').replace('/', '')}_{row.key}"
+                                trace = os.path.join(a.timeline, f"{name}_round{rnd + 1}.json")
+                            res = launch(cluster, row, model, a, os.path.join(tmp, "r.json"), port, trace)
                             runs.setdefault(model, {}).setdefault(cap_label(cap), {}).setdefault(row.key, [])
                             runs[model][cap_label(cap)][row.key].append(res)
                             done += 1

@@ -115,6 +115,49 @@ def test_all_gather_equal_shapes(world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_large_gloo_all_gather_goes_out_in_pieces(
+    world_size: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Above ``gloo_piece_bytes`` the payload is split (here 7 pieces, the last one short) and
+    every rank still gets every rank's tensor exactly, with the bytes of one all-gather counted."""
+    from lightning_dist.collectives import torch_backend
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "gloo_piece_bytes", 24)
+    splits: list[int] = []
+    real_bounds = torch_backend.piece_bounds
+
+    def counting_bounds(numel: int, element_size: int, piece_bytes: int) -> list[tuple[int, int]]:
+        bounds = real_bounds(numel, element_size, piece_bytes)
+        splits.append(len(bounds))
+        return bounds
+
+    monkeypatch.setattr(torch_backend, "piece_bounds", counting_bounds)
+    shape = (5, 8) if dtype == torch.float32 else (12, 14)  # 160 B / 168 B: 7 pieces of 24 B at most
+
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], dict[str, float]]:
+        t = (rank_tensor(comm.rank, shape) * 50).to(dtype)
+        return comm.all_gather(t, same_shape=True), comm.stats.snapshot()
+
+    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    for gathered, snap in run_in_threads(world_size, body):
+        for r, g in enumerate(gathered):
+            assert g.shape == shape and g.dtype == dtype
+            assert torch.equal(g, (rank_tensor(r, shape) * 50).to(dtype))
+        assert snap["all_gather.calls"] == 1
+        assert snap["all_gather.bytes_sent"] == (world_size - 1) * nbytes
+    assert splits == [7] * world_size
+
+
+def test_piece_bounds_cover_the_tensor_in_order() -> None:
+    from lightning_dist.collectives.torch_backend import piece_bounds
+
+    assert piece_bounds(10, 4, 12) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert piece_bounds(4, 8, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)], "at least one element per piece"
+    assert piece_bounds(0, 4, 12) == []
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_all_gather_unequal_first_dimension(world_size: int) -> None:
     def body(comm: Communicator) -> tuple[list[torch.Tensor], dict[str, float]]:
         t = rank_tensor(comm.rank, (comm.rank + 1, 4))
