@@ -3,6 +3,7 @@ vector-halving/distance-doubling exchange at 2-5 ranks over real Gloo groups (th
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import pytest
@@ -201,6 +202,67 @@ def test_single_tensor_in_place_and_non_contiguous(world_size: int) -> None:
         torch.testing.assert_close(b, ref_b, rtol=1e-5, atol=1e-6)
 
 
+def test_async_adasum_returns_while_the_exchange_runs() -> None:
+    """The async form hands back a pending future at once (a DDP bucket's Adasum overlaps the rest of
+    backward) and completes with the reference result once the late rank joins."""
+    late_s = 0.5
+
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], float, bool]:
+        ts = rank_tensors(comm.rank)
+        if comm.rank == 1:
+            time.sleep(late_s)
+        start = time.perf_counter()
+        fut = comm.all_reduce_async(ts, op="adasum")
+        returned_after = time.perf_counter() - start
+        pending = not fut.done()
+        assert fut.wait() is not None
+        return ts, returned_after, pending
+
+    results = run_in_threads(2, body)
+    outs, returned_after, pending = results[0]
+    assert pending and returned_after < late_s / 2, f"rank 0 waited {returned_after:.3f}s for rank 1"
+    assert torch.equal(
+        torch.cat([o.flatten() for o in outs]), torch.cat([o.flatten() for o in results[1][0]])
+    )
+    for out, ref in zip(outs, adasum_reference([rank_tensors(r) for r in range(2)]), strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_calls_made_during_an_adasum_are_posted_after_it_in_order(
+    world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Adasum, an all-reduce, a second Adasum and a broadcast posted back to back (ranks at different
+    paces) all complete with their own reference results."""
+    monkeypatch.setattr(adasum_mod, "CHUNK_BYTES", 16)
+    shapes_b = [(3, 5), (11,)]
+
+    def body(comm: Communicator) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        first, second = rank_tensors(comm.rank), rank_tensors(comm.rank + 10, shapes=shapes_b)
+        summed = torch.full((7,), float(comm.rank + 1))
+        sent = torch.arange(5.0) if comm.rank == 0 else torch.zeros(5)
+        time.sleep(0.05 * comm.rank)
+        futs = [
+            comm.all_reduce_async(first, op="adasum"),
+            comm.all_reduce_async(summed, op="sum"),
+            comm.all_reduce_async(second, op="adasum"),
+            comm.broadcast_async(sent, src=0),
+        ]
+        for fut in futs:
+            fut.wait()
+        return first, summed, second, sent
+
+    results = run_in_threads(world_size, body)
+    ref_first = adasum_reference([rank_tensors(r) for r in range(world_size)])
+    ref_second = adasum_reference([rank_tensors(r + 10, shapes=shapes_b) for r in range(world_size)])
+    total = float(sum(range(1, world_size + 1)))
+    for first, summed, second, sent in results:
+        for out, ref in zip([*first, *second], [*ref_first, *ref_second], strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(summed, torch.full((7,), total))
+        torch.testing.assert_close(sent, torch.arange(5.0))
+
+
 def vhdd_bytes(n: int, elsize: int, ntensors: int, rank: int, world: int) -> int:
     """Bytes ``rank`` sends in the exchange for one fused buffer of ``n`` elements."""
     p2 = 1 << (world.bit_length() - 1)
@@ -250,6 +312,8 @@ def test_rejects_integer_tensors() -> None:
     def body(comm: Communicator) -> str:
         with pytest.raises(ValueError, match="float16, bfloat16, float32, float64"):
             comm.all_reduce([torch.ones(2), torch.ones(2, dtype=torch.int64)], op="adasum")
+        with pytest.raises(ValueError, match="tensor 0 has dtype torch.int32"):  # raised by the call itself
+            comm.all_reduce_async(torch.ones(2, dtype=torch.int32), op="adasum")
         return "ok"
 
     assert run_in_threads(2, body) == ["ok", "ok"]

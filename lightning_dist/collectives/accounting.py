@@ -71,7 +71,7 @@ class CommStats:
                 self._busy_ns += max(0, now_ns - self._busy_since_ns)
 
     def add_busy(self, seconds: float) -> None:
-        """Busy time of a caller-driven exchange (it ran on the caller's thread, nothing overlapped it
+        """Busy time of a caller-driven exchange (it ran alone in call order, nothing overlapped it
         unless other collectives were in flight, whose interval already covers it)."""
         with self._lock:
             if self._in_flight == 0:

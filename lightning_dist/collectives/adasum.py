@@ -324,17 +324,22 @@ def back_to_back(members: Sequence[Tensor]) -> Optional[Tensor]:
     return first.detach().as_strided((total,), (1,), first.storage_offset())
 
 
+def check_adasum_dtypes(tensors: Sequence[Tensor]) -> None:
+    """Raise a ValueError naming the first tensor whose dtype Adasum cannot combine."""
+    for i, t in enumerate(tensors):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"op='adasum': tensor {i} has dtype {t.dtype}; accepted: float16, bfloat16, float32, float64"
+            )
+
+
 def adasum_all_reduce(comm: Communicator, tensors: list[Tensor]) -> list[Tensor]:
     """Adasum of each tensor over all ranks of ``comm``, written in place; returns ``tensors``.
 
     Tensors are fused per (dtype, device) into one buffer for the exchange (reduced where they are
     when they already lie back to back in one storage), but the rule is applied per tensor. Bytes really sent and received are counted under ``adasum``.
     """
-    for i, t in enumerate(tensors):
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"op='adasum': tensor {i} has dtype {t.dtype}; accepted: float16, bfloat16, float32, float64"
-            )
+    check_adasum_dtypes(tensors)
     if comm.world_size == 1 or not tensors:
         return tensors
     start = time.perf_counter()

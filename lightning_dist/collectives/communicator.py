@@ -37,7 +37,7 @@ from torch.futures import Future
 
 from lightning_dist.collectives import trace as _trace
 from lightning_dist.collectives.accounting import CommStats
-from lightning_dist.collectives.adasum import adasum_all_reduce
+from lightning_dist.collectives.adasum import adasum_all_reduce, check_adasum_dtypes
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
 from lightning_dist.collectives.completer import Completer
 from lightning_dist.collectives.futures import completed_future, forward
@@ -90,6 +90,7 @@ class _PostOrder:
         self._blocked = False  # a second stage is still to be posted
         self._draining = False
         self._poster = Completer("collectives-poster")
+        self._worker = Completer("collectives-exclusive")
 
     def _busy(self) -> bool:
         return self._blocked or self._draining or bool(self._held)
@@ -140,6 +141,29 @@ class _PostOrder:
                 _second(_settled(head))
             else:
                 self._poster.submit(lambda: _settled(head), _second)
+
+        with self._cond:
+            if self._busy():
+                self._held.append((_run, True))
+                return out
+            self._blocked = True
+        _run()
+        return out
+
+    def post_exclusive(self, run: Callable[[], Any]) -> Future:
+        """``run()`` on this object's worker thread once every earlier call has posted, with later
+        calls held back until it returns: a caller-driven exchange (Adasum's point-to-point rounds)
+        runs alongside the caller (backward, say) while every rank still posts in call order."""
+        out: Future = Future()
+
+        def _job() -> Any:
+            try:
+                return run()
+            finally:
+                self._unblock()  # later calls are posted before the result is delivered
+
+        def _run() -> None:  # called with self._blocked set
+            forward(self._worker.submit(_job, lambda value: value), out)
 
         with self._cond:
             if self._busy():
@@ -271,16 +295,19 @@ class Communicator:
     # -- all_reduce -------------------------------------------------------------------------
     def all_reduce_async(self, tensor: TensorOrList, op: str = "sum", name: Optional[str] = None) -> Future:
         """Reduce in place; a list is reduced as one fused buffer (Adasum: per tensor). ``name``
-        (the same on every rank and step for the same tensor) goes to the backend (``Backend.all_reduce``)."""
+        (the same on every rank and step for the same tensor) goes to the backend (``Backend.all_reduce``).
+
+        Adasum's exchange runs on a worker thread of this communicator, so the returned future is
+        pending while it runs (a DDP bucket's Adasum overlaps the rest of backward); calls made
+        meanwhile are posted after it, in call order."""
         op = check_reduce_op(op)
         tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
         single = isinstance(tensor, Tensor)
         if self.world_size == 1:
             return completed_future(tensor if single else tensors)
         if op == "adasum":
-            self._order.wait()
-            reduced = self._adasum(tensors)
-            return completed_future(reduced[0] if single else reduced)
+            check_adasum_dtypes(tensors)  # here, not in the worker thread: before anything is posted
+            return self._order.post_exclusive(self._adasum_job(tensors, single))
         backend = self.backend
         if single:
             t = tensors[0]
@@ -308,6 +335,17 @@ class Communicator:
     def all_reduce(self, tensor: TensorOrList, op: str = "sum") -> Any:
         fut = self.all_reduce_async(tensor, op)
         return self._wait(fut, "all_reduce", _describe(tensor, check_reduce_op(op)))
+
+    def _adasum_job(self, tensors: list[Tensor], single: bool) -> Callable[[], Any]:
+        """Adasum of ``tensors`` as a job for another thread, on the caller's CUDA stream."""
+        stream = torch.cuda.current_stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
+
+        def _job() -> Any:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                reduced = self._adasum(tensors)
+            return reduced[0] if single else reduced
+
+        return _job
 
     def _adasum(self, tensors: list[Tensor]) -> list[Tensor]:
         with naming_timeouts("all_reduce", detail=_describe(tensors, "adasum"), **self.timeout_context()):

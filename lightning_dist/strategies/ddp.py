@@ -66,8 +66,12 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             Adasum, with Adam it is a different algorithm than Horovod's update-space one).
         start_method: ``"auto"`` picks ``"fork"`` in an interactive session (notebooks) and
             ``"popen"`` (the script re-executed per rank, like Lightning's ``"ddp"``) otherwise.
-        bucket_cap_mb, static_graph, find_unused_parameters, gradient_as_bucket_view: passed to
-            ``DistributedDataParallel``.
+        bucket_cap_mb, static_graph, find_unused_parameters: passed to ``DistributedDataParallel``.
+        gradient_as_bucket_view: passed to ``DistributedDataParallel``; on by default (torch's is
+            off): gradients live in the communication buckets, which saves copying every gradient
+            back after the reduction and the memory of one set of gradients; that more than pays for
+            the division pass a comm hook makes (torch's hook-less reducer folds it into its copy
+            into the bucket). Pass ``False`` when code replaces ``param.grad`` or calls ``detach_()`` on it.
         skip_nonfinite: when any rank's gradients hold NaN/Inf, skip that optimizer step on every
             rank (one flag all-reduced per step; logged as ``skipped_nonfinite_steps``).
     """
@@ -88,7 +92,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         bucket_cap_mb: Optional[float] = None,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
+        gradient_as_bucket_view: bool = True,
         skip_nonfinite: bool = False,
         **unknown: Any,
     ) -> None:

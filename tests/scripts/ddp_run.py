@@ -50,6 +50,7 @@ def main() -> None:
     collectives.reset_stats()
     trainer.fit(model)
     hook_state = getattr(trainer.strategy, "hook_state", None)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     save_fitted(
         a.out,
         trainer,
@@ -59,6 +60,8 @@ def main() -> None:
         all_reduce_bytes_sent=collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
         train_loss=float(trainer.callback_metrics["train_loss"]),
         losses=tracker.losses,
+        grads=len(grads),
+        grad_storages=len({g.untyped_storage().data_ptr() for g in grads}),
     )
 
 
