@@ -259,6 +259,21 @@ def test_real_fit_one_process_with_accumulation(tmp_path: Path) -> None:
         assert float(row["comm/bytes_sent"]) == 0.0 and "comm/compression_ratio" not in h
 
 
+def test_log_false_logs_nothing_in_a_real_fit() -> None:
+    """``log=False`` holds through Lightning's fit (which sets every callback's ``log`` attribute
+    to the module's ``log`` method): counters kept, nothing logged."""
+    torch.set_num_threads(1)
+    L.seed_everything(7, verbose=False)
+    monitor = CommMonitor(warmup=0, log=False)
+    trainer = quiet_trainer(
+        accelerator="cpu", devices=1, max_steps=2, limit_val_batches=0, callbacks=[monitor]
+    )
+    trainer.fit(TinyCausalLM(WorkloadConfig.tiny(seed=7)))
+    assert len(monitor.history) == 2
+    logged = set(trainer.callback_metrics) | set(trainer.progress_bar_metrics)
+    assert not {k for k in logged if k.startswith(("perf/", "comm/"))}, sorted(logged)
+
+
 SCRIPT = str(SCRIPTS / "monitor_run.py")
 BUDGET = 120
 """Seconds for one 2-process run (about 8 s on 2 idle cores), below the 300 s test timeout."""

@@ -133,7 +133,8 @@ class CommMonitor(L.Callback):
         if unknown:
             raise ValueError(f"prog_bar={list(prog_bar)}: unknown keys {unknown}; accepted: {list(METRICS)}")
         self.warmup = warmup
-        self.log = log
+        # not ``self.log``: Lightning sets every callback's ``log`` to the module's ``log`` at fit start
+        self.log_metrics = log
         self.batch_size = batch_size
         self.tokens_per_sample = tokens_per_sample
         self.single_process_samples_per_s = single_process_samples_per_s
@@ -211,7 +212,7 @@ class CommMonitor(L.Callback):
         self.bytes_received.append(int(metrics[BYTES_RECEIVED]))
         self.comm_seconds.append(metrics[COMM_SECONDS])
         self.samples.append(int(pending["samples"]))
-        if self.log:
+        if self.log_metrics:
             for key, value in metrics.items():
                 pl_module.log(
                     key,
