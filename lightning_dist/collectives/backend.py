@@ -111,6 +111,15 @@ class Backend(ABC):
         default is a ring all-reduce."""
         return ring_all_reduce_bytes(nbytes, self.world_size)
 
+    def hold_completions(self) -> None:
+        """Delay waiting for posted operations (``Communicator.completions_held``); the default
+        waits as usual (nothing to hold)."""
+        return None
+
+    def release_completions(self) -> None:
+        """Wait for posted operations again."""
+        return None
+
     def native_adasum(self, comm: Communicator, tensors: list[Tensor]) -> Optional[list[Tensor]]:
         """The transport's own Adasum of ``tensors`` in place, counting its bytes into ``comm``;
         ``None`` (the default) means it has none and the library's Adasum runs instead."""

@@ -28,7 +28,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -291,6 +291,17 @@ class Communicator:
 
     def _all_reduce_bytes(self, t: Tensor) -> int:
         return self.backend.all_reduce_bytes(_nbytes(t), t.dtype)
+
+    @contextlib.contextmanager
+    def completions_held(self) -> Iterator[None]:
+        """Operations posted in the block complete once it ends (at most ``HOLD_MAX_S`` later),
+        not while it runs, where the transport's wait costs CPU (Horovod: see ``Completer.hold``).
+        A strategy holds them during backward, as Horovod's optimizer only waits after it."""
+        self.backend.hold_completions()
+        try:
+            yield
+        finally:
+            self.backend.release_completions()
 
     # -- all_reduce -------------------------------------------------------------------------
     def all_reduce_async(self, tensor: TensorOrList, op: str = "sum", name: Optional[str] = None) -> Future:

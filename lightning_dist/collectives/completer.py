@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 IDLE_S = 1.0
 """Seconds without work after which the thread exits."""
 
+HOLD_MAX_S = 2.0
+"""Longest a ``hold`` delays the waits: a caller that blocks on a future while it holds is
+late by at most this, never stuck."""
+
 _STOP = object()
 _LIVE: weakref.WeakSet[Completer] = weakref.WeakSet()
 
@@ -44,7 +48,19 @@ class Completer:
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._go = threading.Event()
+        self._go.set()
         _LIVE.add(self)
+
+    def hold(self) -> None:
+        """Do not start waiting on submitted work until ``release`` (or ``HOLD_MAX_S``): for a
+        transport whose wait costs CPU, while the caller computes (Horovod's wait polls and retakes
+        the GIL in a loop; its own optimizer only waits after backward)."""
+        self._go.clear()
+
+    def release(self) -> None:
+        """Wait on submitted work again, from now on."""
+        self._go.set()
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the thread once the work already submitted is done (a later ``submit`` restarts it)."""
@@ -80,6 +96,7 @@ class Completer:
                         return
                 continue
             wait, finish, fut = item
+            self._go.wait(HOLD_MAX_S)
             try:
                 result = finish(wait())
             except BaseException as exc:  # noqa: BLE001  (delivered through the future)

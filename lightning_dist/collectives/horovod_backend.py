@@ -94,6 +94,14 @@ class HorovodBackend(Backend):
     local_size = _hvd_query("local_size", "Processes on this node.")
     node_rank = _hvd_query("cross_rank", "This node's rank among the nodes.")
 
+    @override
+    def hold_completions(self) -> None:
+        self._completer.hold()
+
+    @override
+    def release_completions(self) -> None:
+        self._completer.release()
+
     def _submit(self, handle: int, finish: Callable[[Any], Any]) -> Future:
         hvd = self.hvd  # the completer must not hold the backend
         return self._completer.submit(lambda: hvd.synchronize(handle), finish)

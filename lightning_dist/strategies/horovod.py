@@ -252,6 +252,13 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
 
         return hook
 
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        # The gradients' all-reduces start in their hooks during backward; waiting for them there
+        # would spin beside the backward pass (as Horovod's optimizer does, wait once it is done).
+        with collectives.current().completions_held():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _wait_for_gradients(self) -> None:
         """Finish every exchange (later rounds in hook order, the same on every rank), write back."""
         pending, self._pending = self._pending, []
