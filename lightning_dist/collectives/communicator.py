@@ -142,12 +142,7 @@ class _PostOrder:
             else:
                 self._poster.submit(lambda: _settled(head), _second)
 
-        with self._cond:
-            if self._busy():
-                self._held.append((_run, True))
-                return out
-            self._blocked = True
-        _run()
+        self._run_blocking(_run)
         return out
 
     def post_exclusive(self, run: Callable[[], Any]) -> Future:
@@ -165,13 +160,17 @@ class _PostOrder:
         def _run() -> None:  # called with self._blocked set
             forward(self._worker.submit(_job, lambda value: value), out)
 
+        self._run_blocking(_run)
+        return out
+
+    def _run_blocking(self, run: Callable[[], None]) -> None:
+        """``run()`` now with later calls held back (it unblocks them), or queued behind earlier ones."""
         with self._cond:
             if self._busy():
-                self._held.append((_run, True))
-                return out
+                self._held.append((run, True))
+                return
             self._blocked = True
-        _run()
-        return out
+        run()
 
     def _unblock(self) -> None:
         """Post held-back calls in order until one blocks again; one drain loop at a time."""
