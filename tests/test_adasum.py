@@ -3,6 +3,7 @@ vector-halving/distance-doubling exchange at 2-5 ranks over real Gloo groups (th
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from typing_extensions import override
 
 from lightning_dist.collectives import Communicator, SingleProcessBackend, TorchBackend
 from lightning_dist.collectives import adasum as adasum_mod
+from lightning_dist.collectives import communicator as communicator_mod
 from lightning_dist.collectives.adasum import adasum_all_reduce, adasum_pair, adasum_reference
 from lightning_dist.testing import run_in_threads
 
@@ -261,6 +263,104 @@ def test_calls_made_during_an_adasum_are_posted_after_it_in_order(
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(summed, torch.full((7,), total))
         torch.testing.assert_close(sent, torch.arange(5.0))
+
+
+def traced_adasum(
+    monkeypatch: pytest.MonkeyPatch, hold_first: bool
+) -> tuple[list[tuple[int, str, int, int]], dict[int, bool]]:
+    """Records (rank, "start"/"end", call, tag) of every Adasum exchange; call ``i`` is the one whose
+    first tensor has ``i + 2`` rows. With ``hold_first`` call 0 waits (up to 5 s) for call 1 to start
+    and notes per rank whether it did."""
+    real = communicator_mod.adasum_all_reduce
+    log: list[tuple[int, str, int, int]] = []
+    lock = threading.Lock()
+    second_started: dict[int, threading.Event] = {}
+    overlapped: dict[int, bool] = {}
+
+    def traced(comm: Communicator, tensors: list[torch.Tensor], *tag_arg: int) -> Any:
+        call, tag = tensors[0].shape[0] - 2, (tag_arg or (adasum_mod.ADASUM_TAG,))[0]
+        with lock:
+            log.append((comm.rank, "start", call, tag))
+            started = second_started.setdefault(comm.rank, threading.Event())
+        if call == 1:
+            started.set()
+        if call == 0 and hold_first:
+            overlapped[comm.rank] = started.wait(5.0)
+        out = real(comm, tensors, *tag_arg)
+        with lock:
+            log.append((comm.rank, "end", call, tag))
+        return out
+
+    monkeypatch.setattr(communicator_mod, "adasum_all_reduce", traced)
+    return log, overlapped
+
+
+def three_adasums_and_a_sum(comm: Communicator) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Three Adasum calls back to back (call i: a first tensor of i + 2 rows), then an all-reduce."""
+    calls = [rank_tensors(comm.rank + 10 * i, shapes=[(i + 2, 3), (5,)]) for i in range(3)]
+    summed = torch.full((4,), float(comm.rank + 1))
+    futs = [comm.all_reduce_async(ts, op="adasum") for ts in calls]
+    futs.append(comm.all_reduce_async(summed, op="sum"))
+    for fut in futs:
+        fut.wait()
+    return calls, summed
+
+
+def check_three_adasums(world_size: int, results: list[Any]) -> None:
+    for i in range(3):
+        ref = adasum_reference(
+            [rank_tensors(r + 10 * i, shapes=[(i + 2, 3), (5,)]) for r in range(world_size)]
+        )
+        for calls, _ in results:
+            for out, expected in zip(calls[i], ref, strict=True):
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for _, summed in results:
+        torch.testing.assert_close(summed, torch.full((4,), float(sum(range(1, world_size + 1)))))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_consecutive_adasums_overlap_where_tags_are_independent(
+    world_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On Gloo the next Adasum starts while the previous one still runs (one lane and tag each), so
+    one DDP bucket's exchange fills the link while the previous one waits on its dot products; a lane
+    runs its calls in order, and the all-reduce posted after them still waits for all three."""
+    monkeypatch.setattr(adasum_mod, "CHUNK_BYTES", 16)
+    log, overlapped = traced_adasum(monkeypatch, hold_first=True)
+    results = run_in_threads(world_size, three_adasums_and_a_sum)
+    assert overlapped == dict.fromkeys(range(world_size), True), "call 1 never started while call 0 ran"
+    tags = {(call, tag) for _, _, call, tag in log}
+    lane0, lane1 = adasum_mod.ADASUM_TAG, adasum_mod.ADASUM_TAG + 1
+    assert tags == {(0, lane0), (1, lane1), (2, lane0)}
+    for rank in range(world_size):
+        events = [(what, call) for r, what, call, _ in log if r == rank]
+        assert events.index(("start", 2)) > events.index(("end", 0)), "two calls ran at once in one lane"
+    check_three_adasums(world_size, results)
+
+
+class SerialTagsBackend(TorchBackend):
+    """Gloo that claims a pair's operations are serialised, as on NCCL."""
+
+    @property
+    @override
+    def independent_tags(self) -> bool:
+        return False
+
+
+def test_adasums_run_one_at_a_time_where_tags_are_not_independent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adasum_mod, "CHUNK_BYTES", 16)
+    log, _ = traced_adasum(monkeypatch, hold_first=False)
+
+    def body(comm: Communicator) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        assert isinstance(comm.backend, TorchBackend)
+        return three_adasums_and_a_sum(Communicator(SerialTagsBackend(comm.backend.group), stats=comm.stats))
+
+    results = run_in_threads(2, body)
+    assert {tag for *_, tag in log} == {adasum_mod.ADASUM_TAG}
+    for rank in range(2):
+        events = [(what, call) for r, what, call, _ in log if r == rank]
+        assert events == [(what, call) for call in range(3) for what in ("start", "end")]
+    check_three_adasums(2, results)
 
 
 def vhdd_bytes(n: int, elsize: int, ntensors: int, rank: int, world: int) -> int:

@@ -49,7 +49,13 @@ CHUNK_BYTES = 1 << 20
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 ADASUM_TAG = 7
-"""Point-to-point tag of Adasum's messages, apart from other send/recv traffic on the backend."""
+"""Point-to-point tag of Adasum's messages, apart from other send/recv traffic on the backend; lane
+``i`` of ``ADASUM_LANES`` uses ``ADASUM_TAG + i``."""
+
+ADASUM_LANES = 2
+"""Adasum calls that may run at once where the backend keeps tags apart (``Backend.independent_tags``):
+call ``k`` runs in lane ``k % ADASUM_LANES`` once call ``k - ADASUM_LANES`` is done, so one bucket's
+exchange fills the link while the previous one waits on its dot products."""
 
 _MANY_PIECES = 16
 
@@ -101,14 +107,15 @@ def adasum_reference(per_rank_tensors: Sequence[TensorOrList]) -> Any:
 class _Link:
     """Non-blocking send/recv to one peer at a time, cut into chunks, with byte tallies.
 
-    Messages go through the backend's ``send``/``recv`` futures with ``ADASUM_TAG``. On a CUDA
+    Messages go through the backend's ``send``/``recv`` futures with ``tag`` (an Adasum lane's). On a CUDA
     transport (NCCL) the lower rank of a pair posts its sends first and the higher rank its
     receives first, since NCCL serialises one pair's operations. A CPU transport (Gloo) sends only
     host memory (``host_only``), so CUDA tensors are reduced through a CPU copy.
     """
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, tag: int = ADASUM_TAG) -> None:
         backend = comm.backend
+        self.tag = tag
         self.backend = backend
         self.rank = comm.rank
         self.world_size = comm.world_size
@@ -119,11 +126,11 @@ class _Link:
 
     def _post_send(self, tensor: Tensor, peer: int) -> Future:
         self.sent += tensor.numel() * tensor.element_size()
-        return self.backend.send(tensor, peer, tag=ADASUM_TAG)
+        return self.backend.send(tensor, peer, tag=self.tag)
 
     def _post_recv(self, tensor: Tensor, peer: int) -> Future:
         self.received += tensor.numel() * tensor.element_size()
-        return self.backend.recv(tensor, peer, tag=ADASUM_TAG)
+        return self.backend.recv(tensor, peer, tag=self.tag)
 
     def exchange(
         self,
@@ -333,17 +340,19 @@ def check_adasum_dtypes(tensors: Sequence[Tensor]) -> None:
             )
 
 
-def adasum_all_reduce(comm: Communicator, tensors: list[Tensor]) -> list[Tensor]:
+def adasum_all_reduce(comm: Communicator, tensors: list[Tensor], tag: int = ADASUM_TAG) -> list[Tensor]:
     """Adasum of each tensor over all ranks of ``comm``, written in place; returns ``tensors``.
 
     Tensors are fused per (dtype, device) into one buffer for the exchange (reduced where they are
-    when they already lie back to back in one storage), but the rule is applied per tensor. Bytes really sent and received are counted under ``adasum``.
+    when they already lie back to back in one storage), but the rule is applied per tensor. Bytes
+    really sent and received are counted under ``adasum``. Messages use ``tag``: calls that run at
+    once need different tags.
     """
     check_adasum_dtypes(tensors)
     if comm.world_size == 1 or not tensors:
         return tensors
     start = time.perf_counter()
-    link = _Link(comm)
+    link = _Link(comm, tag)
     groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)

@@ -141,6 +141,13 @@ class Backend(ABC):
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
         """Rank r sends ``inputs[j]`` to rank j, which stores it in ``outputs[r]``; future -> outputs."""
 
+    @property
+    def independent_tags(self) -> bool:
+        """Whether send/recv on different tags may run from different threads at once, each tag's
+        messages matched in their own order (Gloo); not where a pair's operations are serialised
+        (NCCL), nor by default."""
+        return False
+
     @abstractmethod
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
         """Point-to-point send, matched with the ``recv`` of the same ``tag``; future -> tensor."""

@@ -37,7 +37,12 @@ from torch.futures import Future
 
 from lightning_dist.collectives import trace as _trace
 from lightning_dist.collectives.accounting import CommStats
-from lightning_dist.collectives.adasum import adasum_all_reduce, check_adasum_dtypes
+from lightning_dist.collectives.adasum import (
+    ADASUM_LANES,
+    ADASUM_TAG,
+    adasum_all_reduce,
+    check_adasum_dtypes,
+)
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
 from lightning_dist.collectives.completer import Completer
 from lightning_dist.collectives.futures import completed_future, forward
@@ -90,7 +95,8 @@ class _PostOrder:
         self._blocked = False  # a second stage is still to be posted
         self._draining = False
         self._poster = Completer("collectives-poster")
-        self._worker = Completer("collectives-exclusive")
+        self._workers = [Completer(f"collectives-exclusive-{i}") for i in range(ADASUM_LANES)]
+        self._running = 0  # exclusive calls handed to a worker and not yet returned
 
     def _busy(self) -> bool:
         return self._blocked or self._draining or bool(self._held)
@@ -145,22 +151,42 @@ class _PostOrder:
         self._run_blocking(_run)
         return out
 
-    def post_exclusive(self, run: Callable[[], Any]) -> Future:
-        """``run()`` on this object's worker thread once every earlier call has posted, with later
-        calls held back until it returns: a caller-driven exchange (Adasum's point-to-point rounds)
-        runs alongside the caller (backward, say) while every rank still posts in call order."""
+    def post_exclusive(self, run: Callable[[], Any], lane: int = 0, overlapping: bool = False) -> Future:
+        """``run()`` on worker ``lane`` once every earlier call has posted, with later calls held back
+        until it returns: a caller-driven exchange (Adasum's point-to-point rounds) runs alongside
+        the caller (backward, say) while every rank still posts in call order.
+
+        ``overlapping``: it may also start while earlier overlapping calls are still running, so
+        that consecutive exchanges share the link (Gloo, one tag per lane); a lane runs its calls one
+        after another, and later calls of other kinds still wait for all of them."""
         out: Future = Future()
 
         def _job() -> Any:
             try:
                 return run()
             finally:
-                self._unblock()  # later calls are posted before the result is delivered
+                with self._cond:
+                    self._running -= 1
+                    last = self._running == 0
+                if last:
+                    self._unblock()  # later calls are posted before the result is delivered
+
+        def _submit() -> None:
+            forward(self._workers[lane].submit(_job, lambda value: value), out)
 
         def _run() -> None:  # called with self._blocked set
-            forward(self._worker.submit(_job, lambda value: value), out)
+            with self._cond:
+                self._running += 1
+            _submit()
 
-        self._run_blocking(_run)
+        with self._cond:
+            joins = overlapping and self._running > 0 and not self._held and not self._draining
+            if joins:  # earlier exclusive calls (all overlapping: one backend) block the rest
+                self._running += 1
+        if joins:
+            _submit()
+        else:
+            self._run_blocking(_run)
         return out
 
     def _run_blocking(self, run: Callable[[], None]) -> None:
@@ -201,6 +227,7 @@ class Communicator:
         self.backend = backend
         self.stats = PROCESS_STATS if stats is None else stats
         self._order = _PostOrder()
+        self._adasum_calls = 0
 
     @property
     def rank(self) -> int:
@@ -309,7 +336,8 @@ class Communicator:
 
         Adasum's exchange runs on a worker thread of this communicator, so the returned future is
         pending while it runs (a DDP bucket's Adasum overlaps the rest of backward); calls made
-        meanwhile are posted after it, in call order."""
+        meanwhile are posted after it, in call order, except that where the backend keeps tags apart
+        the next Adasum may start at once, in the other lane (``ADASUM_LANES``)."""
         op = check_reduce_op(op)
         tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
         single = isinstance(tensor, Tensor)
@@ -317,7 +345,11 @@ class Communicator:
             return completed_future(tensor if single else tensors)
         if op == "adasum":
             check_adasum_dtypes(tensors)  # here, not in the worker thread: before anything is posted
-            return self._order.post_exclusive(self._adasum_job(tensors, single))
+            lane = self._adasum_calls % ADASUM_LANES  # call order is the same on every rank
+            self._adasum_calls += 1
+            overlapping = self.backend.independent_tags
+            job = self._adasum_job(tensors, single, ADASUM_TAG + lane if overlapping else ADASUM_TAG)
+            return self._order.post_exclusive(job, lane if overlapping else 0, overlapping)
         backend = self.backend
         if single:
             t = tensors[0]
@@ -346,21 +378,22 @@ class Communicator:
         fut = self.all_reduce_async(tensor, op)
         return self._wait(fut, "all_reduce", _describe(tensor, check_reduce_op(op)))
 
-    def _adasum_job(self, tensors: list[Tensor], single: bool) -> Callable[[], Any]:
-        """Adasum of ``tensors`` as a job for another thread, on the caller's CUDA stream."""
+    def _adasum_job(self, tensors: list[Tensor], single: bool, tag: int) -> Callable[[], Any]:
+        """Adasum of ``tensors`` as a job for another thread, on the caller's CUDA stream, its
+        messages on ``tag``."""
         stream = torch.cuda.current_stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
 
         def _job() -> Any:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                reduced = self._adasum(tensors)
+                reduced = self._adasum(tensors, tag)
             return reduced[0] if single else reduced
 
         return _job
 
-    def _adasum(self, tensors: list[Tensor]) -> list[Tensor]:
+    def _adasum(self, tensors: list[Tensor], tag: int = ADASUM_TAG) -> list[Tensor]:
         with naming_timeouts("all_reduce", detail=_describe(tensors, "adasum"), **self.timeout_context()):
             native = self.backend.native_adasum(self, tensors)
-            return native if native is not None else adasum_all_reduce(self, tensors)
+            return native if native is not None else adasum_all_reduce(self, tensors, tag)
 
     # -- broadcast ----------------------------------------------------------------------------
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Future:

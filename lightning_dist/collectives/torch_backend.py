@@ -137,7 +137,7 @@ class TorchBackend(Backend):
         self.timeout_s: Optional[float] = group_timeout_s(group, self._device_type)
         """The group's configured timeout in seconds, named by a ``CollectiveTimeout``; read from
         the group (torch keeps it in the backend's options), ``None`` where torch does not tell."""
-        self._completer = Completer(f"torch-p2p-rank{group.rank()}")
+        self._completers: dict[int, Completer] = {}  # per p2p tag: one tag's waits never hold up another's
         logger.debug(
             "TorchBackend: rank %d of %d on %s (%s, timeout %s s)",
             group.rank(),
@@ -235,18 +235,26 @@ class TorchBackend(Backend):
         )
         return _then(work, lambda: split_rows(recv, outputs))
 
+    @property
+    @override
+    def independent_tags(self) -> bool:
+        return self.device_type == "cpu"
+
     @override
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
-        return self._p2p_future(self.group.send([tensor], dst, tag), tensor)
+        return self._p2p_future(self.group.send([tensor], dst, tag), tensor, tag)
 
     @override
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
-        return self._p2p_future(self.group.recv([tensor], src, tag), tensor)
+        return self._p2p_future(self.group.recv([tensor], src, tag), tensor, tag)
 
-    def _p2p_future(self, work: Any, tensor: Tensor) -> Future:
+    def _p2p_future(self, work: Any, tensor: Tensor, tag: int) -> Future:
         if self.device_type == "cuda":
             return _then(work, lambda: tensor)
-        return self._completer.submit(work.wait, lambda _: tensor)
+        completer = self._completers.get(tag)
+        if completer is None:
+            completer = self._completers[tag] = Completer(f"torch-p2p-rank{self.rank}-tag{tag}")
+        return completer.submit(work.wait, lambda _: tensor)
 
     @override
     def barrier(self) -> None:
