@@ -338,6 +338,28 @@ def test_consecutive_adasums_overlap_where_tags_are_independent(
     check_three_adasums(world_size, results)
 
 
+def test_overlapping_adasums_count_their_busy_time_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Adasum calls that each take 0.3 s at once add 0.3 s of busy time, not 0.6 s: busy time
+    never exceeds the elapsed time (CommMonitor's comm/share stays in [0, 1])."""
+    real_run = adasum_mod._FlatAdasum.run
+
+    def slow_run(self: Any) -> None:
+        time.sleep(0.3)
+        real_run(self)
+
+    monkeypatch.setattr(adasum_mod._FlatAdasum, "run", slow_run)
+
+    def body(comm: Communicator) -> tuple[float, float]:
+        start = time.perf_counter()
+        futs = [comm.all_reduce_async(rank_tensors(comm.rank), op="adasum") for _ in range(2)]
+        for fut in futs:
+            fut.wait()
+        return comm.stats.busy_seconds, time.perf_counter() - start
+
+    for busy, elapsed in run_in_threads(2, body):
+        assert 0.3 <= busy <= elapsed, f"busy {busy:.3f}s, elapsed {elapsed:.3f}s"
+
+
 class SerialTagsBackend(TorchBackend):
     """Gloo that claims a pair's operations are serialised, as on NCCL."""
 

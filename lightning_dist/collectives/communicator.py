@@ -380,12 +380,16 @@ class Communicator:
 
     def _adasum_job(self, tensors: list[Tensor], single: bool, tag: int) -> Callable[[], Any]:
         """Adasum of ``tensors`` as a job for another thread, on the caller's CUDA stream, its
-        messages on ``tag``."""
+        messages on ``tag``; its run is a busy interval, so overlapping lanes count once."""
         stream = torch.cuda.current_stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
 
         def _job() -> Any:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                reduced = self._adasum(tensors, tag)
+            self.stats.enter(time.perf_counter_ns())
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    reduced = self._adasum(tensors, tag)
+            finally:
+                self.stats.leave(time.perf_counter_ns())
             return reduced[0] if single else reduced
 
         return _job
