@@ -44,15 +44,25 @@ if ! pgrep -x munged >/dev/null; then
   su -s /bin/sh munge -c munged 2>/dev/null || munged --force
 fi
 export SLURM_CONF=$STATE/slurm.conf
-pgrep -f "slurmctld -f $STATE" >/dev/null || slurmctld -f "$SLURM_CONF"
-pgrep -f "slurmd -f $STATE" >/dev/null || slurmd -f "$SLURM_CONF"
+# A controller started here begins with an empty state: jobs that a killed run left RUNNING in the
+# saved state would be recovered and hold the node's CPUs, so every new job would wait forever.
+if ! pgrep -f "slurmctld -f $STATE" >/dev/null; then
+  rm -rf "$STATE/state" && mkdir -p "$STATE/state"
+  slurmctld -f "$SLURM_CONF"
+fi
+if ! pgrep -f "slurmd -f $STATE" >/dev/null; then
+  rm -rf "$STATE/spool" && mkdir -p "$STATE/spool"
+  slurmd -f "$SLURM_CONF"
+fi
 for _ in $(seq 1 30); do
-  if sinfo -h -o %T 2>/dev/null | grep -qE "idle|mix|alloc"; then
+  if [ "$(sinfo -h -o %T 2>/dev/null)" = idle ]; then
     echo "SLURM_CONF=$SLURM_CONF"
     exit 0
   fi
   sleep 1
 done
-echo "start-local-slurm: the node did not come up; see $STATE/log" >&2
+echo "start-local-slurm: the node is not idle after 30 s (jobs below hold it, or it did not come up);" \
+  "stop it with '$0 stop' and rerun; logs in $STATE/log" >&2
 sinfo >&2 || true
+squeue >&2 || true
 exit 1

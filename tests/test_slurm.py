@@ -360,3 +360,35 @@ def test_horovod_under_srun_without_mpi_plugin_fails_on_every_rank(tmp_path: Pat
     assert proc.returncode != 0
     reason = "srun started 2 tasks without an MPI plugin (no PMIX_RANK/PMI_RANK)"
     assert proc.stderr.count(reason) == 2, proc.stderr[-5000:]  # both ranks, before MPI starts
+
+
+def test_a_restarted_cluster_drops_the_jobs_a_killed_run_left(tmp_path: Path, slurm_conf: str) -> None:
+    """A run killed mid-job leaves the job RUNNING in slurmctld's saved state; restarting from that
+    state would give it the node's CPUs back and queue every later job forever (CI saw exactly that)."""
+    if os.environ.get("SLURM_CONF"):
+        pytest.skip("the cluster is the caller's (SLURM_CONF set): not ours to kill")
+    env = child_env(SLURM_CONF=slurm_conf)
+    job = subprocess.run(["sbatch", "--parsable", "-N", "1", "--ntasks-per-node", "2", "-o", str(tmp_path / "o"),
+                          "--wrap", "sleep 600"], capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip()
+    deadline = time.time() + 30
+    while "R" not in _squeue_states(env):
+        assert time.time() < deadline, f"job {job_id} did not start: {_squeue_states(env)}"
+        time.sleep(0.5)
+    for daemon in ("slurmctld", "slurmd"):  # killed as a session's end kills them: no clean shutdown
+        subprocess.run(["pkill", "-KILL", "-f", f"{daemon} -f {Path(slurm_conf).parent}"], timeout=30)
+    subprocess.run(["pkill", "-KILL", "-x", "slurmstepd"], timeout=30)
+    subprocess.run(["pkill", "-KILL", "-f", "sleep 600"], timeout=30)
+    time.sleep(1)
+    proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=START_BUDGET)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _squeue_states(env) == [], "the restarted controller recovered the killed run's job"
+    hostname = run_command(["srun", "-N", "1", "--ntasks-per-node", "2", "hostname"], 30, SLURM_CONF=slurm_conf)
+    assert hostname.returncode == 0 and len(hostname.stdout.split()) == 2, hostname.stderr[-2000:]
+
+
+def _squeue_states(env: dict[str, str]) -> list[str]:
+    proc = subprocess.run(["squeue", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
