@@ -384,7 +384,9 @@ def test_a_restarted_cluster_drops_the_jobs_a_killed_run_left(tmp_path: Path, sl
     proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=START_BUDGET)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _squeue_states(env) == [], "the restarted controller recovered the killed run's job"
-    hostname = run_command(["srun", "-N", "1", "--ntasks-per-node", "2", "hostname"], 30, SLURM_CONF=slurm_conf)
+    hostname = run_command(
+        ["srun", "-N", "1", "--ntasks-per-node", "2", "hostname"], 30, SLURM_CONF=slurm_conf
+    )
     assert hostname.returncode == 0 and len(hostname.stdout.split()) == 2, hostname.stderr[-2000:]
 
 
