@@ -346,6 +346,7 @@ def test_a_stopped_rank_fails_the_others_with_the_collective_and_the_timeout(
     run = _launch(out, launcher, stop_at)
     log = run["log"][-5000:]
     assert sorted(run["pids"]) == [0, 1], log
+    assert (out / "stopped.json").exists(), f"rank 1 never reached its stop ({stop_at}):\n{log}"
     stopped = json.loads((out / "stopped.json").read_text())
     assert stopped["rank"] == 1 and stopped["at"] == stop_at
     t_stop = stopped["time"]
