@@ -80,6 +80,28 @@ class StopsItself(TinyCausalLM):
         self._maybe_stop("backward")
 
 
+class PatientRendezvousDDP(lightning_dist.DDP):
+    """``DDP`` whose rendezvous waits ``RENDEZVOUS_S`` for the peer to start; the short timeout is for
+    the collectives only. Under Lightning's launcher rank 0 starts rank 1 once it has itself started,
+    so rank 1 joins the store seconds after rank 0 (importing torch and Lightning: over 6 s on a
+    loaded 2-CPU machine), which the test's 5 s process-group timeout would not allow."""
+
+    def _process_group_kwargs(self) -> dict[str, Any]:
+        env = self.cluster_environment
+        assert env is not None
+        store = torch.distributed.TCPStore(
+            env.main_address,
+            env.main_port,
+            self.world_size,
+            is_master=self.global_rank == 0,
+            timeout=timedelta(seconds=RENDEZVOUS_S),
+        )
+        return {"store": store}
+
+
+RENDEZVOUS_S = 120.0
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--timeout", type=float, default=5.0, help="the process-group timeout, seconds")
@@ -100,7 +122,10 @@ def main() -> None:
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
-        strategy=lightning_dist.DDP(timeout=timedelta(seconds=a.timeout)),
+        # torchrun's agent holds the store and both ranks start together: torch's own rendezvous
+        strategy=(lightning_dist.DDP if "TORCHELASTIC_RUN_ID" in os.environ else PatientRendezvousDDP)(
+            timeout=timedelta(seconds=a.timeout)
+        ),
         max_steps=a.max_steps,
         limit_val_batches=0,
     )
