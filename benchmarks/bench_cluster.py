@@ -32,7 +32,9 @@ torch DDP at the same cap, bytes sent per step by rank 0 (a) from the pack's col
 namespace) over the timed steps, headers included, for every row; the link-limit time for (b) at the
 cap (what tbf lets through: the floor for that step), and the loss on a fixed evaluation set after
 (warmup + steps) x batch x 2 samples. Writes OUT/cluster.md, OUT/cluster.json and OUT/cluster.png;
-with ``--timeline DIR`` also a Timeline (Chrome trace of both ranks) of every pack run in DIR.
+with ``--timeline DIR`` also a Timeline (Chrome trace of both ranks) of every pack run in DIR, and
+Horovod's own timeline (rank 0's engine: negotiation, fusion, MPI calls) of every mpirun run,
+Horovod's loop included, as ``*.horovod.json``.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 120 + 30 per step)")
     p.add_argument("--timeline", default=None, metavar="DIR",
-                   help="also write a Timeline (Chrome trace, both ranks) of every pack run to DIR")  # fmt: skip
+                   help="also write a Timeline (Chrome trace, both ranks) of every pack run to DIR, and "
+                        "Horovod's own timeline of every mpirun run (*.horovod.json)")  # fmt: skip
     p.add_argument("--timeline-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
@@ -525,7 +528,7 @@ def launch(
     trace: Optional[str] = None,
 ) -> dict[str, Any]:
     """One run of ``row`` on ``model`` across the cluster's 2 nodes; rank 0's result or {'error': ...}.
-    ``trace``: where a pack row writes its Timeline."""
+    ``trace``: where a pack row writes its Timeline (an mpirun row also Horovod's, beside it)."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", row.key, "--model", model,
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--json-out", out]  # fmt: skip
     if trace and row.ours:
@@ -537,7 +540,10 @@ def launch(
         os.remove(out)
     if row.mpirun:
         mpirun = ["mpirun", "-np", "2", *cluster.mpirun_args(), "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                  "-x", "PYTHONUNBUFFERED", *argv]  # fmt: skip
+                  "-x", "PYTHONUNBUFFERED"]  # fmt: skip
+        if trace:
+            mpirun += ["-x", f"HOROVOD_TIMELINE={horovod_timeline_path(trace)}"]
+        mpirun += argv
         with tempfile.TemporaryFile() as log:
             proc = cluster.popen(0, mpirun, env, stdout=log, stderr=subprocess.STDOUT)
             try:
@@ -671,6 +677,11 @@ NOTES = (
 )
 
 
+def horovod_timeline_path(trace: str) -> str:
+    """Where an mpirun run whose Timeline goes to ``trace`` writes Horovod's own timeline."""
+    return str(Path(trace).with_suffix(".horovod.json"))
+
+
 def plot(summary: dict[str, Any], models: Sequence[str], caps: Sequence[Optional[float]],
          rows: Sequence[str], path: Path) -> Optional[str]:  # fmt: skip
     """One panel per model: median step time against the cap, one line per row; None or why not."""
@@ -681,6 +692,15 @@ def plot(summary: dict[str, Any], models: Sequence[str], caps: Sequence[Optional
         import matplotlib.pyplot as plt
     except ImportError as exc:
         return f"no plot: matplotlib not importable ({exc})"
+    measured = [
+        v["median_s"]
+        for m in summary.values()
+        for c in m.values()
+        for v in c.values()
+        if v.get("median_s", 0) > 0
+    ]
+    if not measured:
+        return "no plot: no run measured a step time (every run failed or was skipped)"
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 6), squeeze=False)
     xs = list(range(len(caps)))
     colors = plt.get_cmap("tab20").colors
@@ -732,6 +752,8 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     for key, why in skipped.items():
         print(f"[bench_cluster] {ROWS[key].label}: skipped: {why}", flush=True)
     runnable = [r for r in rows if r.key not in skipped]
+    if a.timeline:  # before the first run: Horovod opens its timeline file at hvd.init
+        os.makedirs(a.timeline, exist_ok=True)
     runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     started, port = time.monotonic(), 29500
     total = len(a.caps) * a.rounds * len(a.models) * len(runnable)

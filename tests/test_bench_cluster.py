@@ -105,6 +105,58 @@ def test_summarize_pools_rounds_and_keeps_failures() -> None:
     assert bench.link_limit_s(12.5e6, None) is None
 
 
+def test_plot_says_why_when_no_run_measured_a_step(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    failed = {"mlp": {bench.cap_label(1000.0): {"horovod": bench.summarize([{"error": "exit 1"}])}}}
+    why = bench.plot(failed, ["mlp"], [1000.0], ["horovod"], tmp_path / "cluster.png")
+    assert why == "no plot: no run measured a step time (every run failed or was skipped)"
+    assert not (tmp_path / "cluster.png").exists()
+    ok = {"mlp": {bench.cap_label(1000.0): {"horovod": bench.summarize([{"step_seconds": [0.2]}])}}}
+    assert bench.plot(ok, ["mlp"], [1000.0], ["horovod"], tmp_path / "cluster.png") is None
+    assert (tmp_path / "cluster.png").stat().st_size > 1000
+
+
+class _Exited:
+    """A process that has already exited with 0."""
+
+    returncode = 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def poll(self) -> int:
+        return 0
+
+
+class _FakeCluster:
+    """What ``launch`` uses of an EmulatedCluster: records the mpirun command, starts nothing."""
+
+    master_port = 0
+
+    def __init__(self) -> None:
+        self.commands: list[list[str]] = []
+
+    def mpirun_args(self) -> list[str]:
+        return ["--host", "n0,n1"]
+
+    def popen(self, node: int, cmd: list[str], env: dict[str, str], **kwargs: object) -> _Exited:
+        self.commands.append(cmd)
+        return _Exited()
+
+
+@pytest.mark.parametrize("row", ["horovod", "hvd_loop"])
+def test_timeline_asks_every_mpirun_run_for_horovods_own_timeline(tmp_path: Path, row: str) -> None:
+    a = bench.parse_args(["--rows", row, "--timeline", str(tmp_path)])
+    cluster = _FakeCluster()
+    trace = str(tmp_path / f"mlp_none_{row}_round1.json")
+    res = bench.launch(cluster, bench.ROWS[row], "mlp", a, str(tmp_path / "r.json"), 29500, trace)
+    assert "error" in res  # the fake ran nothing
+    (cmd,) = cluster.commands
+    assert cmd[0] == "mpirun" and f"HOROVOD_TIMELINE={tmp_path}/mlp_none_{row}_round1.horovod.json" in cmd
+    assert cmd.index("-x") < cmd.index(sys.executable), "mpirun's options come before the program"
+    assert ("--timeline-out" in cmd) == bench.ROWS[row].ours  # the pack's Timeline: pack rows only
+
+
 def test_table_has_ratios_bytes_link_limit_and_reasons() -> None:
     def ok(median: float, counted: float | None, wire: float) -> dict[str, object]:
         return {"median_s": median, "p25_s": median * 0.9, "p75_s": median * 1.1, "counted_bytes": counted,
