@@ -692,14 +692,7 @@ def plot(summary: dict[str, Any], models: Sequence[str], caps: Sequence[Optional
         import matplotlib.pyplot as plt
     except ImportError as exc:
         return f"no plot: matplotlib not importable ({exc})"
-    measured = [
-        v["median_s"]
-        for m in summary.values()
-        for c in m.values()
-        for v in c.values()
-        if v.get("median_s", 0) > 0
-    ]
-    if not measured:
+    if not any(v.get("median_s", 0) > 0 for m in summary.values() for c in m.values() for v in c.values()):
         return "no plot: no run measured a step time (every run failed or was skipped)"
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 6), squeeze=False)
     xs = list(range(len(caps)))

@@ -80,6 +80,10 @@ class StopsItself(TinyCausalLM):
         self._maybe_stop("backward")
 
 
+RENDEZVOUS_S = 120.0
+"""Seconds the rendezvous waits for rank 1 to start (the collectives keep the short timeout)."""
+
+
 class PatientRendezvousDDP(lightning_dist.DDP):
     """``DDP`` whose rendezvous waits ``RENDEZVOUS_S`` for the peer to start; the short timeout is for
     the collectives only. Under Lightning's launcher rank 0 starts rank 1 once it has itself started,
@@ -97,9 +101,6 @@ class PatientRendezvousDDP(lightning_dist.DDP):
             timeout=timedelta(seconds=RENDEZVOUS_S),
         )
         return {"store": store}
-
-
-RENDEZVOUS_S = 120.0
 
 
 def main() -> None:
