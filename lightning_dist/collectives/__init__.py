@@ -53,6 +53,7 @@ __all__ = [
     "release",
     "reset_stats",
     "shutdown",
+    "spans",
     "ring_all_reduce_bytes",
     "stats",
     "trace",
@@ -90,6 +91,12 @@ def current() -> Communicator:
     if _default is None or not isinstance(_default.backend, SingleProcessBackend):
         _default = Communicator(SingleProcessBackend())
     return _default
+
+
+def spans(group: Any) -> bool:
+    """Whether the current communicator's collectives answer for the ``torch.distributed`` group
+    ``group``: ``None``, the default (world) group, or any group of exactly its ranks."""
+    return current().spans(group)
 
 
 def stats() -> CommStats:

@@ -8,6 +8,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
@@ -48,6 +49,17 @@ def split_rows(received: Tensor, outputs: list[Tensor]) -> list[Tensor]:
     return outputs
 
 
+def group_ranks(group: Any) -> Optional[list[int]]:
+    """The global ranks of a ``torch.distributed`` group, in its rank order; ``None`` where torch
+    cannot tell (no default process group, or a group object torch did not register)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+
+
 class Backend(ABC):
     """One transport (a torch process group, Horovod, or a single process).
 
@@ -79,6 +91,12 @@ class Backend(ABC):
     def node_rank(self) -> int:
         """This node's rank among the nodes (default: 0)."""
         return 0
+
+    def spans(self, group: Any) -> bool:
+        """Whether ``group`` (a ``torch.distributed`` group a caller names, ``None`` for "all")
+        holds exactly this transport's ranks, so a collective over this transport answers for it.
+        The default: this transport's ranks are the global ranks 0..world_size-1."""
+        return group is None or group_ranks(group) == list(range(self.world_size))
 
     def check_all_reduce(self, op: str, device_type: str) -> None:
         """Raise (the same error on every rank) when this job cannot all-reduce with ``op`` on

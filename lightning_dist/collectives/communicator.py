@@ -237,6 +237,10 @@ class Communicator:
     def world_size(self) -> int:
         return self.backend.world_size
 
+    def spans(self, group: Any) -> bool:
+        """Whether a collective over this communicator answers for ``group`` (``Backend.spans``)."""
+        return self.backend.spans(group)
+
     # -- accounting -------------------------------------------------------------------------
     def timeout_context(self) -> dict[str, Any]:
         """What a ``CollectiveTimeout`` says about the transport: its name, its configured timeout

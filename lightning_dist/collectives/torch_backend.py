@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_dist.collectives.backend import Backend, cat_rows, rows, split_rows
+from lightning_dist.collectives.backend import Backend, cat_rows, group_ranks, rows, split_rows
 from lightning_dist.collectives.completer import Completer
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,13 @@ class TorchBackend(Backend):
     @override
     def device_type(self) -> str:
         return self._device_type
+
+    @override
+    def spans(self, group: Any) -> bool:
+        if group is None or group is self.group:
+            return True
+        ranks = group_ranks(group)
+        return ranks is not None and ranks == group_ranks(self.group)
 
     def _detect_transport(self) -> str:
         name: str

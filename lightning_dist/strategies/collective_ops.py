@@ -21,12 +21,14 @@ T = TypeVar("T")
 
 
 def _check_group(method: str, group: Optional[Any]) -> None:
-    """Every collective spans all ranks of the strategy's communicator; a sub-group is refused."""
-    if group is not None:
+    """Every collective spans all ranks of the strategy's communicator: ``None`` and the default
+    (world) group are that, and so is any group of exactly those ranks; a sub-group is refused."""
+    if not collectives.spans(group):
+        world = collectives.current().world_size
         raise ValueError(
             f"{method}(group={group!r}) is not supported: lightning_dist strategies reduce over all "
-            "ranks of their communicator; accepted: group=None (for sync_dist logging, leave "
-            "sync_dist_group unset)"
+            f"{world} ranks of their communicator; accepted: group=None, torch.distributed.group.WORLD "
+            "or a group of all those ranks (for sync_dist logging, leave sync_dist_group unset)"
         )
 
 
@@ -42,10 +44,10 @@ class CollectiveOpsMixin(Strategy):
         if not isinstance(tensor, Tensor):
             return tensor
         op = reduce_op_name("reduce_op", reduce_op, ("sum", "avg", "min", "max"))
-        result = tensor.clone()
-        if op == "avg" and not result.is_floating_point():
-            result = result.float()
-        return collectives.all_reduce(result, op)
+        if op == "avg" and not tensor.is_floating_point():
+            # Lightning truncates an integer mean back into the integer tensor; this returns it exactly
+            return collectives.all_reduce(tensor.float(), op)
+        return collectives.all_reduce(tensor, op)  # in place, as Lightning's DDPStrategy
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:

@@ -1,0 +1,91 @@
+"""The collectives a LightningModule or callback reaches through a strategy, on 2 CPU processes, equal
+to Lightning's own DDPStrategy on the same module (tests/scripts/collective_contract.py lists them).
+
+Two differences are deliberate (docs/lightning-compat.md): an integer tensor's mean comes back as the
+exact float mean, where Lightning truncates it into the integer tensor; a group that is not all of
+the strategy's ranks is refused (tests/test_strategy_options.py), where Lightning reduces over it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SCRIPTS, run_script
+from test_horovod_strategy import ROOT_FLAGS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+SCRIPT = str(SCRIPTS / "collective_contract.py")
+BUDGET = 120
+LAUNCH = {
+    "DDP": "lightning",
+    "Compressed": "lightning",
+    "DiLoCo": "lightning",
+    "Elastic": "torchrun",
+    "ElasticDiLoCo": "torchrun",
+    "Horovod": "mpirun",
+    "HorovodAdasum": "mpirun",
+}
+"""Every strategy of the pack, with the launcher its users start it with."""
+DIFFERS = {"reduce_int_mean"}
+
+
+def contract(out: Path, strategy: str, launch: str = "lightning") -> list[dict[str, torch.Tensor]]:
+    args = [SCRIPT, "--strategy", strategy, "--out", str(out)]
+    if launch == "torchrun":
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    elif launch == "mpirun":
+        if shutil.which("mpirun") is None:
+            pytest.skip("mpirun not found (apt-get install openmpi-bin)")
+        pytest.importorskip("horovod.torch", reason="Horovod not installed (lightning-dist install-horovod)")
+        args = ["mpirun", "-np", "2", *ROOT_FLAGS, "-x", "PYTHONPATH", sys.executable, *args]
+    run_script(args, timeout=BUDGET)
+    return [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def lightning_ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
+    return contract(tmp_path_factory.mktemp("ref"), "ddp")
+
+
+def test_reference_sees_what_the_contract_expects(lightning_ddp: list[dict[str, torch.Tensor]]) -> None:
+    """The reference itself, checked by hand: the contract compares against real values."""
+    r0, r1 = lightning_ddp
+    assert r0["gather_vector"].tolist() == r1["gather_vector"].tolist() == [[0, 1, 2], [10, 11, 12]]
+    assert r0["gather_scalar"].tolist() == [1.0, 2.0]
+    assert r0["nested_b1_1"].tolist() == [0, 1]
+    # rank r's weights are arange(4).reshape(2, 2) * (r + 1): rank r's leaf gets row r of their sum
+    assert r0["gather_grad"].tolist() == [0 + 0, 1 + 2] and r1["gather_grad"].tolist() == [2 + 4, 3 + 6]
+    assert r0["reduce_sum"].tolist() == [10, 12, 14] and r0["reduce_mean"].tolist() == [5, 6, 7]
+    assert r0["reduce_source_after"].tolist() == [10, 12, 14], "Lightning reduces in place"
+    assert r1["broadcast_0"].tolist() == [0, 1, 2] and r0["broadcast_1"].item() == 1
+    assert r0["decision_all"].item() is False and r1["decision_any"].item() is True
+    assert r0["metric_log_sum"].item() == 3.0 and r1["metric_log_max"].item() == 2.0
+    assert r0["metric_log_world"].item() == 15.0
+    assert r0["metric_log_local"].item() == 1.0 and r1["metric_log_local"].item() == 2.0
+    assert r0["reduce_int_mean"].dtype == torch.int64 and r0["reduce_int_mean"].tolist() == [2, 5]
+
+
+@pytest.mark.parametrize("strategy", sorted(LAUNCH))
+def test_collectives_equal_lightning_ddp(
+    tmp_path: Path, strategy: str, lightning_ddp: list[dict[str, torch.Tensor]]
+) -> None:
+    ours = contract(tmp_path / strategy, strategy, LAUNCH[strategy])
+    for rank, (got, ref) in enumerate(zip(ours, lightning_ddp, strict=True)):
+        own = {k for k in got if k.startswith("pack_")}
+        if LAUNCH[strategy] != "mpirun":  # a torch.distributed world: groups can be named
+            assert got.pop("pack_subgroup_refused").item() is True, "a subgroup must be refused"
+            torch.testing.assert_close(
+                got.pop("pack_reduce_all_ranks_group"), ref["reduce_sum"], rtol=0, atol=0
+            )
+        assert not (own - {"pack_subgroup_refused", "pack_reduce_all_ranks_group"}), own
+        assert got.keys() == ref.keys(), f"rank {rank}: {sorted(got.keys() ^ ref.keys())}"
+        for key in sorted(ref.keys() - DIFFERS):
+            a, b = got[key], ref[key]
+            assert (a.dtype, a.shape) == (b.dtype, b.shape), f"rank {rank} {key}: {a!r} != {b!r}"
+            assert torch.equal(a, b), f"rank {rank} {key}: {a.tolist()} != {b.tolist()}"
+        # the exact mean of [rank + 2, 5] over ranks 0 and 1 (Lightning: truncated into int64)
+        assert got["reduce_int_mean"].tolist() == [2.5, 5.0]
