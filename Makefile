@@ -8,13 +8,9 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install-horovod.sh scripts/install-system-deps.sh
-	scripts/install-system-deps.sh
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,notebooks,horovod]"
-	PYTHON=$(PY) scripts/install-horovod.sh
+# one line per step with the elapsed time (scripts/setup.sh says what needs root)
+$(STAMP): pyproject.toml scripts/setup.sh scripts/install-system-deps.sh lightning_dist/install_horovod.py
+	VENV=$(VENV) TORCH_SPEC="$(TORCH_SPEC)" scripts/setup.sh
 	touch $(STAMP)
 
 demo: setup

@@ -500,7 +500,7 @@ def row_unavailable(row: Row) -> Optional[str]:
         try:
             import horovod.torch  # noqa: F401
         except ImportError as exc:
-            return f"horovod not importable ({exc}): scripts/install-horovod.sh"
+            return f"horovod not importable ({exc}): lightning-dist install-horovod"
     return None
 
 

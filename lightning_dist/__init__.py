@@ -1,6 +1,7 @@
 """lightning_dist: distributed-training strategies for PyTorch Lightning on one collectives layer."""
 
 from lightning_dist import collectives
+from lightning_dist.compat import check_versions
 from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum
 
 __all__ = [
@@ -13,4 +14,6 @@ __all__ = [
     "HorovodAdasum",
     "collectives",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+check_versions()

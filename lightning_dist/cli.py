@@ -1,4 +1,4 @@
-"""`lightning-dist` command: demo, env check, slurm (sbatch scripts)."""
+"""`lightning-dist` command: demo, strategies, env check, slurm (sbatch scripts), install-horovod."""
 
 from __future__ import annotations
 
@@ -31,14 +31,42 @@ def _env() -> int:
 
         line("horovod", horovod.__version__)
     except ImportError:
-        line("horovod", "not installed (scripts/install-horovod.sh builds it against this torch)")
+        line("horovod", "not installed (`lightning-dist install-horovod` builds it against this torch)")
     for tool in ("mpirun", "horovodrun", "torchrun", "srun", "sbatch"):
         line(tool, shutil.which(tool) or "not found")
     return 0
 
 
+def _version() -> str:
+    from lightning_dist import __version__
+    from lightning_dist.compat import TESTED
+
+    tested = "; ".join(f"{name} {', '.join(v + '.x' for v in versions)}" for name, versions in TESTED.items())
+    return f"lightning-dist {__version__} (tested with {tested})"
+
+
+def _strategies() -> int:
+    """Every strategy name the pack registers, with its description (deprecated aliases last)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dist  # noqa: F401  (registers the names)
+    from lightning_dist.strategies.registry import pack_names
+
+    names = pack_names(StrategyRegistry)
+    width = max(map(len, names))
+    print(f"{'name':<{width}}  description   (use: Trainer(strategy=NAME))")
+    for name, description in names.items():
+        print(f"{name:<{width}}  {description}")
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-dist")
+    parser = argparse.ArgumentParser(
+        prog="lightning-dist", description="Distributed-training strategies for PyTorch Lightning."
+    )
+    parser.add_argument(
+        "--version", action="store_true", help="print the version and the tested torch/lightning versions"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the embedded workload with every strategy, print a table")
     demo.add_argument("--steps", type=int, default=100)
@@ -49,10 +77,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="as root: add a column of step times across 2 emulated nodes at this link cap (0: off)",
     )
     sub.add_parser("env", help="print versions and which launchers/backends are available")
+    sub.add_parser("strategies", help="list every strategy name the pack registers, with a description")
+    from lightning_dist.install_horovod import add_parser as add_install_horovod_parser
     from lightning_dist.launch.slurm import add_parser as add_slurm_parser
 
     add_slurm_parser(sub)
+    add_install_horovod_parser(sub)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        print(_version())
+        return 0
     if argv[:1] == ["slurm"]:
         # everything after the first `--` is the training command, whatever its flags
         cut = argv.index("--") if "--" in argv else len(argv)
@@ -65,6 +99,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_dist.workload.demo import main as demo_main
 
         return demo_main(args.steps, extra, args.cap_mbit)
+    if args.command == "strategies":
+        return _strategies()
+    if args.command == "install-horovod":
+        from lightning_dist.install_horovod import run as install_horovod
+
+        return install_horovod(parser.parse_args(argv))  # its own options only: no extra arguments
     return _env()
 
 

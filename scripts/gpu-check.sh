@@ -36,7 +36,7 @@ if [ -n "$sdist" ]; then
   command -v cmake >/dev/null || $PY -m pip install -q cmake
   step horovod_build ${GPU_CHECK_HOROVOD_BUILD_S:-420} env PYTHON=$PY HOROVOD_SDIST="$sdist" scripts/install-horovod.sh
   step horovod_check 60 horovodrun --check-build
-  step horovod_adasum_gpu 240 mpirun -np 1 --allow-run-as-root -x PYTHONPATH $PY examples/train.py --strategy horovod_adasum --accelerator gpu --devices 1 --max-steps 10
+  step horovod_adasum_gpu 240 mpirun -np 1 --allow-run-as-root -x PYTHONPATH $PY examples/train.py --strategy ld_horovod_adasum --accelerator gpu --devices 1 --max-steps 10
 fi
 # 6. one-GPU overhead of the compressors against no hook (GPT-2-small: 12 layers, d=768, batch 16 x 512,
 #    bf16-mixed); GPU_CHECK_OVERHEAD=0 skips it

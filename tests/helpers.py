@@ -33,9 +33,11 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_command(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout or interruption kill the whole process group
-    (Lightning's rank children, mpirun's ranks), so nothing outlives the test.
+def run_command(
+    cmd: list[str], timeout: float, cwd: Path = ROOT, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session (in ``cwd``); on timeout or interruption kill the whole process
+    group (Lightning's rank children, mpirun's ranks), so nothing outlives the test.
 
     ``timeout`` (seconds) must be below the running test's pytest-timeout, so that it is this
     budget, with the command's output, that stops a stuck command; a test that needs more gets
@@ -51,7 +53,7 @@ def run_command(cmd: list[str], timeout: float, **env: str) -> subprocess.Comple
         stderr=subprocess.PIPE,
         text=True,
         env=child_env(**env),
-        cwd=ROOT,
+        cwd=cwd,
         start_new_session=True,
     )
     try:

@@ -75,3 +75,32 @@ def test_demo_prints_one_row_per_strategy() -> None:
         assert "failed" not in rows[run.label]
     ours = rows["DDP()"].split("|")
     assert ours[2].strip().endswith("ms") and int(ours[3].strip().replace(",", "")) > 0
+    # one progress line per trained row: its elapsed time, the count and the time left
+    progress = [line for line in out.splitlines() if line.startswith("[demo] ") and " s (" in line]
+    trained = [r for r in demo_runs() if "skipped" not in rows[r.label]]
+    assert len(progress) == len(trained) > 0, out
+    assert progress[0].endswith(f"(1/{len(trained)}; about " + progress[0].rsplit("about ", 1)[-1])
+    assert progress[-1].endswith(f"({len(trained)}/{len(trained)}; all done)")
+
+
+def test_demo_progress_line_estimates_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_dist.workload import demo
+
+    progress = demo.Progress(3)
+    clock = iter([0.0, 10.0, 10.0, 30.0])  # start, finish, start, finish
+    monkeypatch.setattr(demo.time, "monotonic", lambda: next(clock))
+    progress.start()
+    first = progress.finish("DDP()")
+    progress.start()
+    second = progress.finish("Compressed", "FAILED")
+    assert first == "[demo] DDP(): done in 10.0 s (1/3; about 20 s left)"
+    assert second == "[demo] Compressed: FAILED in 20.0 s (2/3; about 15 s left)"
+
+
+def test_install_horovod_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["install-horovod", "--dry-run"])
+    out = capsys.readouterr()
+    assert code in (0, 2), out  # 2: a build tool is missing here, and the plan says which
+    assert "HOROVOD_WITH_PYTORCH=1" in out.out
+    with pytest.raises(SystemExit):
+        main(["install-horovod", "--no-such-flag"])

@@ -61,9 +61,9 @@ def test_accepted_arguments_and_registered_names() -> None:
         DiLoCo(inner_steps=3, compression=compression)
     d = DiLoCo(inner_steps=1, outer_lr=1.0, outer_momentum=0.0)
     assert (d.inner_steps, d.outer_lr, d.outer_momentum, d.nesterov) == (1, 1.0, 0.0, True)
-    assert StrategyRegistry["diloco"]["strategy"] is DiLoCo
+    assert StrategyRegistry["ld_diloco"]["strategy"] is DiLoCo
     for name in ("fp16", "bf16", "int8"):
-        assert StrategyRegistry[f"diloco_{name}"]["init_params"] == {"compression": name}
+        assert StrategyRegistry[f"ld_diloco_{name}"]["init_params"] == {"compression": name}
 
 
 def test_outer_step_is_nesterov_sgd_on_the_last_sync_params() -> None:

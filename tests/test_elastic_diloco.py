@@ -64,9 +64,9 @@ def test_defaults_layout_and_registered_name() -> None:
     assert isinstance(s, ElasticMixin) and isinstance(s, DiLoCo) and not isinstance(s, Compressed)
     assert isinstance(Elastic(), ElasticMixin) and isinstance(Elastic(), Compressed)
     assert lightning_dist.ElasticDiLoCo is ElasticDiLoCo
-    assert StrategyRegistry["elastic_diloco"]["strategy"] is ElasticDiLoCo
-    assert StrategyRegistry["elastic"]["strategy"] is Elastic
-    assert StrategyRegistry["diloco"]["strategy"] is DiLoCo, "ElasticDiLoCo does not take DiLoCo's names"
+    assert StrategyRegistry["ld_elastic_diloco"]["strategy"] is ElasticDiLoCo
+    assert StrategyRegistry["ld_elastic"]["strategy"] is Elastic
+    assert StrategyRegistry["ld_diloco"]["strategy"] is DiLoCo, "ElasticDiLoCo does not take DiLoCo's names"
     assert resolve_strategy("elastic_diloco").family == "elastic", "one torchrun per node under SLURM"
     assert resolve_strategy("ElasticDiLoCo").family == "elastic"
     assert ElasticDiLoCo._accepted_options()[:7] == [

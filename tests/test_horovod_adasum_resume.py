@@ -217,5 +217,7 @@ def test_resumed_run_ends_on_the_uninterrupted_run_weights(tmp_path: Path) -> No
     for r in (0, 1):
         wa, _ = load_rank(a, r)
         wo, info_o = load_rank(old, r)
-        assert len(info_o["warnings"]) == 1 and "rank 0's optimizer state" in info_o["warnings"][0]
+        # the same on every rank, so shown once, by rank 0 (lightning_dist.warn.warn_once)
+        assert len(info_o["warnings"]) == (1 if r == 0 else 0), info_o["warnings"]
+        assert r != 0 or "rank 0's optimizer state" in info_o["warnings"][0]
         assert max_abs_diff(wa, wo) > 1e-4

@@ -1,18 +1,38 @@
-"""`lightning-dist slurm`: the script each strategy family gets, the refused combinations (before
-anything is written) and `--help` (fast: in-process, no sbatch; the jobs run in tests/test_slurm.py)."""
+"""`lightning-dist slurm`: the script each strategy family gets, the sbatch options it writes, the
+training command's flags that follow from the job, the refused combinations (before anything is
+written) and `--help` (fast: in-process, no sbatch; one slow test runs a script under bash with a
+stand-in srun; the jobs run in tests/test_slurm.py)."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from lightning_dist.cli import main
 from lightning_dist.launch import slurm
-from lightning_dist.launch.slurm import SlurmJob, parse_time, resolve_strategy
+from lightning_dist.launch.slurm import SlurmJob, parse_time, resolve_strategy, write_script
 
 CMD = ["python", "train.py", "--devices", "2"]
+TRAIN = ["python", "examples/train.py"]
+"""The package's trainer: its --strategy/--devices/--accelerator/--num-nodes follow from the job."""
+SHORT_FORMS = {
+    "-N": "--nodes",
+    "-p": "--partition",
+    "-t": "--time",
+    "-J": "--job-name",
+    "-A": "--account",
+    "-q": "--qos",
+    "-C": "--constraint",
+    "-c": "--cpus-per-task",
+    "-o": "--output",
+    "-D": "--chdir",
+}
+"""sbatch's short forms, which `lightning-dist slurm` takes too."""
 
 
 def sbatch_lines(script: str) -> list[str]:
@@ -162,6 +182,42 @@ def test_no_requeue_and_options() -> None:
         (dict(mem="lots"), r"--mem='lots' is not accepted"),
         (dict(job_name="a b"), r"--job-name='a b' is not accepted"),
         (dict(command=[]), r"no training command: put it after `--`"),
+        (dict(gres="gpu 4"), r"--gres='gpu 4' is not accepted \(allowed: "),
+        (dict(account="a b"), r"--account='a b' is not accepted"),
+        (dict(qos="x;y"), r"--qos='x;y' is not accepted"),
+        (dict(constraint="a100 ib"), r"--constraint='a100 ib' is not accepted"),
+        (
+            dict(exclusive="nodes"),
+            r"--exclusive='nodes'; accepted: --exclusive \(whole nodes\) or --exclusive=user\|mcs\|topo",
+        ),
+        (
+            dict(mail_type="END,SOMETIMES"),
+            r"--mail-type='END,SOMETIMES': 'SOMETIMES' not accepted; accepted \(comma-separated\): NONE, BEGIN, END",
+        ),
+        (
+            dict(mail_user="me@example.org"),
+            r"--mail-user=me@example.org alone sends no mail: add --mail-type",
+        ),
+        (dict(mail_type="END", mail_user="a b"), r"--mail-user='a b' is not accepted"),
+        (dict(setup=["module load cuda\nrm -rf /"]), r"--setup .*: one non-empty shell line each"),
+        (dict(setup=["  "]), r"--setup '  ': one non-empty shell line each"),
+        (dict(accelerator="tpu"), r"--accelerator='tpu'; accepted: cpu, gpu"),
+        (
+            dict(accelerator="cpu", gpus_per_node=2, devices=2),
+            r"--accelerator cpu but --gpus-per-node=2 asks for GPUs: use --accelerator gpu",
+        ),
+        (dict(accelerator="cpu", gres="gpu:1"), r"--accelerator cpu but --gres=gpu:1 asks for GPUs"),
+        (
+            dict(gres="gpu:2", gpus_per_node=2, devices=2),
+            r"--gres=gpu:2 and --gpus-per-node=2 both ask for GPUs: give one of them",
+        ),
+        (dict(gres="gpu:a100:2", devices=4), r"--gres=gpu:a100:2 is fewer than --devices=4"),
+        (dict(accelerator="gpu", gpus_per_node=2, devices=4), r"--gpus-per-node=2 is fewer than --devices=4"),
+        (dict(trainer_flags="sometimes"), r"--trainer-flags='sometimes'; accepted: auto, always, never"),
+        (
+            dict(sbatch_args=["--nodes=3"]),
+            r"sets #SBATCH --nodes, which lightning-dist writes itself: use -N/--nodes",
+        ),
     ],
 )
 def test_bad_combinations_are_refused(kwargs: dict, reason: str) -> None:
@@ -218,7 +274,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         main(["slurm", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    documented = set(re.findall(r"^\s+(--[a-z-]+)", text, flags=re.M))
+    # option lines: "  --devices DEVICES  ..." or "  -N NODES, --nodes NODES"
+    documented = set(re.findall(r"^  (?:-[A-Za-z] [A-Z_]+, )?(--[a-z-]+)", text, flags=re.M))
     expected = {
         "--nodes",
         "--devices",
@@ -240,6 +297,429 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--chdir",
         "--script",
         "--submit",
+        "--accelerator",
+        "--trainer-flags",
+        "--gres",
+        "--account",
+        "--qos",
+        "--constraint",
+        "--exclusive",
+        "--mail-type",
+        "--mail-user",
+        "--setup",
+        "--sbatch-arg",
     }
     assert expected <= documented, expected - documented
+    for short, long in SHORT_FORMS.items():
+        assert re.search(rf"^  {short} [A-Z_]+, {long} ", text, flags=re.M), (short, long)
     assert "--no-requeue" in text and "TRAINING_COMMAND" in text
+
+
+# -- sbatch options ---------------------------------------------------------------------------------
+def cli_script(
+    capsys: pytest.CaptureFixture[str], *options: str, command: tuple[str, ...] = ("python", "t.py")
+) -> str:
+    """The script `lightning-dist slurm OPTIONS --script - -- COMMAND` prints."""
+    assert main(["slurm", *options, "--script", "-", "--", *command]) == 0, capsys.readouterr().err
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        pytest.param(["--gres", "gpu:a100:2"], "--gres=gpu:a100:2", id="gres"),
+        pytest.param(["--gres", "gpu:2,nvme:1"], "--gres=gpu:2,nvme:1", id="gres-list"),
+        pytest.param(["--account", "proj42"], "--account=proj42", id="account"),
+        pytest.param(["--qos", "high"], "--qos=high", id="qos"),
+        pytest.param(["--constraint", "a100&ib"], "--constraint=a100&ib", id="constraint"),
+        pytest.param(["--constraint", "[rack1|rack2]"], "--constraint=[rack1|rack2]", id="constraint-or"),
+        pytest.param(["--exclusive"], "--exclusive", id="exclusive"),
+        pytest.param(["--exclusive=user"], "--exclusive=user", id="exclusive-user"),
+        pytest.param(["--exclusive", "mcs"], "--exclusive=mcs", id="exclusive-mcs"),
+        pytest.param(["--mail-type", "end,fail"], "--mail-type=END,FAIL", id="mail-type"),
+        pytest.param(
+            ["--mail-type", "ALL", "--mail-user", "me@example.org"],
+            "--mail-user=me@example.org",
+            id="mail-user",
+        ),
+        pytest.param(["--sbatch-arg", "--exclude=n07"], "--exclude=n07", id="sbatch-arg"),
+        pytest.param(["--sbatch-arg=--exclude=n07"], "--exclude=n07", id="sbatch-arg-equals"),
+        pytest.param(["--sbatch-arg", "reservation=r1"], "--reservation=r1", id="sbatch-arg-bare"),
+        pytest.param(["--sbatch-arg", "-w n3"], "-w n3", id="sbatch-arg-short"),
+        pytest.param(
+            ["--sbatch-arg", '--comment="two words"'], '--comment="two words"', id="sbatch-arg-quoted"
+        ),
+        pytest.param(["--sbatch-arg", "--mem-per-gpu=8G"], "--mem-per-gpu=8G", id="sbatch-arg-not-a-prefix"),
+        pytest.param(["-N", "3"], "--nodes=3", id="N"),
+        pytest.param(["-p", "gpu"], "--partition=gpu", id="p"),
+        pytest.param(["-t", "2:00:00"], "--time=2:00:00", id="t"),
+        pytest.param(["-J", "lm"], "--job-name=lm", id="J"),
+        pytest.param(["-A", "proj42"], "--account=proj42", id="A"),
+        pytest.param(["-q", "high"], "--qos=high", id="q"),
+        pytest.param(["-C", "a100"], "--constraint=a100", id="C"),
+        pytest.param(["-c", "4"], "--cpus-per-task=4", id="c"),
+        pytest.param(["-o", "logs/%j.out"], "--output=logs/%j.out", id="o"),
+        pytest.param(["-D", "/shared/run"], "--chdir=/shared/run", id="D"),
+    ],
+)
+def test_cli_option_writes_its_sbatch_line(
+    options: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    header = sbatch_lines(cli_script(capsys, *options))
+    assert line in header, header
+    name = line.split("=")[0]
+    assert sum(h.split("=")[0] == name for h in header) == 1, header  # written once, not twice
+
+
+def test_options_left_out_write_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    header = sbatch_lines(cli_script(capsys))
+    for name in ("--gres", "--account", "--qos", "--constraint", "--exclusive", "--mail-type", "--mail-user"):
+        assert not any(h.startswith(name) for h in header), (name, header)
+    assert "set +u" not in cli_script(capsys)
+
+
+def test_sbatch_args_come_last_in_their_order(capsys: pytest.CaptureFixture[str]) -> None:
+    header = sbatch_lines(
+        cli_script(capsys, "--sbatch-arg", "--exclude=n07", "--sbatch-arg", "reservation=r1", "-N", "2")
+    )
+    assert header[-2:] == ["--exclude=n07", "--reservation=r1"] and "--nodes=2" in header
+
+
+@pytest.mark.parametrize(
+    ("arg", "owned", "use"),
+    [
+        ("--nodes=3", "--nodes", "-N/--nodes"),
+        ("nodes=3", "--nodes", "-N/--nodes"),
+        ("-N 3", "--nodes", "-N/--nodes"),
+        ("--nod=3", "--nodes", "-N/--nodes"),  # sbatch takes an unambiguous prefix
+        ("--ntasks=8", "--ntasks", "-N/--nodes and --devices"),
+        ("-n 8", "--ntasks", "-N/--nodes and --devices"),
+        ("--ntasks-per-node=2", "--ntasks-per-node", "--devices"),
+        ("--gpus-per-task=1", "--gpus-per-task", "--gpus-per-node"),
+        ("-t 10", "--time", "-t/--time"),
+        ("--signal=USR1@60", "--signal", "--signal-seconds"),
+        ("--open-mode=truncate", "--open-mode", "--requeue"),
+        ("--job-name=x", "--job-name", "-J/--job-name"),
+        ("--exclusive", "--exclusive", "--exclusive"),
+    ],
+)
+def test_sbatch_args_that_this_script_writes_are_refused(arg: str, owned: str, use: str) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"--sbatch-arg {re.escape(repr(arg))} sets #SBATCH {owned}, which .* use {re.escape(use)}",
+    ):
+        SlurmJob(CMD, sbatch_args=[arg])
+
+
+@pytest.mark.parametrize("arg", ["", "=x", "-5", "--a\n#SBATCH --nodes=9"])
+def test_sbatch_args_that_are_not_options_are_refused(arg: str) -> None:
+    with pytest.raises(ValueError, match=r"is not an sbatch option; accepted: one option per --sbatch-arg"):
+        SlurmJob(CMD, sbatch_args=[arg])
+
+
+def test_setup_lines_run_in_order_before_the_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    lines = cli_script(
+        capsys,
+        "--setup",
+        "module load cuda",
+        "--setup",
+        "source .venv/bin/activate",
+        "--setup",
+        "export NCCL_DEBUG=INFO",
+    ).splitlines()
+    order = [
+        "set -euo pipefail",
+        "set +u",  # module/conda/venv scripts may read unset variables
+        "module load cuda",
+        "source .venv/bin/activate",
+        "export NCCL_DEBUG=INFO",
+        "set -u",
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 python t.py",
+    ]
+    assert [lines.index(line) for line in order] == sorted(lines.index(line) for line in order), lines
+
+
+# -- --devices: one rank per device ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "tasks", "gpus", "launch"),
+    [
+        (dict(devices=4), "4", None, "srun --ntasks-per-node=4 "),
+        (dict(devices=4, accelerator="gpu"), "4", "4", "srun --ntasks-per-node=4 "),
+        (dict(devices=4, gpus_per_node=8), "4", "8", "srun --ntasks-per-node=4 "),
+        (
+            dict(devices=2, accelerator="gpu", strategy="horovod", mpi="pmix"),
+            "2",
+            "2",
+            "srun --mpi=pmix --ntasks-per-node=2 ",
+        ),
+        (dict(devices=8, accelerator="gpu", strategy="elastic"), "1", "8", "srun --ntasks-per-node=1 "),
+        (dict(devices=4, gres="gpu:a100:4"), "4", None, "srun --ntasks-per-node=4 "),
+    ],
+)
+def test_devices_drive_tasks_per_node_and_gpus_per_node(
+    kwargs: dict, tasks: str, gpus: str | None, launch: str
+) -> None:
+    job = SlurmJob(CMD, nodes=2, **kwargs)
+    header = sbatch_lines(job.render())
+    assert f"--ntasks-per-node={tasks}" in header
+    assert [h for h in header if h.startswith("--gpus-per-node")] == (
+        [f"--gpus-per-node={gpus}"] if gpus else []
+    )
+    assert launch_line(job.render()).startswith(launch)
+    assert job.accelerator == ("gpu" if gpus or "gres" in kwargs else "cpu")
+    if kwargs.get("strategy") == "elastic":
+        assert "--nproc-per-node=8" in launch_line(job.render())
+
+
+def test_cli_devices_with_accelerator_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    header = sbatch_lines(cli_script(capsys, "-N", "2", "--devices", "4", "--accelerator", "gpu"))
+    assert {"--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4"} <= set(header)
+
+
+# -- the training command's flags follow from the job -------------------------------------------
+@pytest.mark.parametrize(
+    ("command", "kwargs", "tail"),
+    [
+        (
+            [*TRAIN, "--max-steps", "5"],
+            dict(nodes=2, devices=4, gpus_per_node=4),
+            "examples/train.py --max-steps 5 --strategy ld_ddp --devices 4 --accelerator gpu --num-nodes 2",
+        ),
+        (
+            ["python3", "-u", "-m", "lightning_dist.workload.train"],
+            dict(devices=2, strategy="DDP"),
+            "-m lightning_dist.workload.train --strategy lightning_dist:DDP --devices 2 --accelerator cpu --num-nodes 1",
+        ),
+        (
+            ["/opt/venv/bin/python", "/home/me/lightning-dist/examples/train.py"],
+            dict(devices=2, strategy="compressed_powersgd"),
+            "examples/train.py --strategy compressed_powersgd --devices 2 --accelerator cpu --num-nodes 1",
+        ),
+        # Horovod: every rank is one process (devices 1); MPI decides the node count
+        (
+            TRAIN,
+            dict(nodes=2, devices=4, strategy="horovod_adasum", mpi="pmix"),
+            "examples/train.py --strategy horovod_adasum --devices 1 --accelerator cpu",
+        ),
+        # Elastic: torchrun's --nproc-per-node workers per node; the rendezvous decides the node count
+        (
+            TRAIN,
+            dict(nodes=2, devices=8, accelerator="gpu", strategy="elastic"),
+            "examples/train.py --strategy elastic --devices 8 --accelerator gpu &",
+        ),
+        # what the command gives and agrees with the job stays as it is
+        (
+            [*TRAIN, "--strategy=ld_ddp", "--devices", "4", "--accelerator", "cuda", "--num-nodes", "2"],
+            dict(nodes=2, devices=4, accelerator="gpu"),
+            "examples/train.py --strategy=ld_ddp --devices 4 --accelerator cuda --num-nodes 2",
+        ),
+        (
+            [*TRAIN, "--accelerator", "auto", "--strategy", "DDP"],
+            dict(strategy="lightning_dist:DDP()"),
+            "--accelerator auto --strategy DDP --devices 1 --num-nodes 1",
+        ),
+        # another script: its flags are not known, it is left as it is
+        (CMD, dict(devices=4), "python train.py --devices 2"),
+    ],
+    ids=[
+        "ddp-gpu",
+        "module-class-name",
+        "absolute-path",
+        "horovod",
+        "elastic",
+        "agreeing",
+        "auto",
+        "other-script",
+    ],
+)
+def test_trainer_flags_are_filled_in_from_the_job(command: list[str], kwargs: dict, tail: str) -> None:
+    job = SlurmJob(command, **kwargs)
+    assert launch_line(job.render()).endswith(tail), launch_line(job.render())
+
+
+def test_trainer_flags_always_and_never() -> None:
+    always = SlurmJob(["./run.sh", "--devices", "2"], devices=2, trainer_flags="always")
+    assert always.command == [
+        "./run.sh",
+        "--devices",
+        "2",
+        "--strategy",
+        "ld_ddp",
+        "--accelerator",
+        "cpu",
+        "--num-nodes",
+        "1",
+    ]
+    with pytest.raises(ValueError, match=r"has --devices 2 but --devices=4"):
+        SlurmJob(["./run.sh", "--devices", "2"], devices=4, trainer_flags="always")
+    assert SlurmJob(TRAIN, devices=4, trainer_flags="never").command == TRAIN
+
+
+@pytest.mark.parametrize(
+    ("flags", "kwargs", "reason"),
+    [
+        (
+            ["--devices", "2"],
+            dict(devices=4),
+            r"the training command has --devices 2 but --devices=4: the Trainer's devices are the ranks",
+        ),
+        (["--num-nodes", "1"], dict(nodes=2), r"the training command has --num-nodes 1 but --nodes=2"),
+        (["--num-nodes=3"], dict(nodes=2, strategy="elastic"), r"--num-nodes 3 but --nodes=2"),
+        (
+            ["--strategy", "elastic"],
+            dict(strategy="ld_ddp"),
+            r"has --strategy elastic but the job's --strategy is ld_ddp",
+        ),
+        (
+            ["--accelerator", "gpu"],
+            dict(),
+            r"has --accelerator gpu but the job's --accelerator is cpu \(no GPUs asked for\)",
+        ),
+        (
+            ["--accelerator", "cpu"],
+            dict(devices=4, gpus_per_node=4),
+            r"has --accelerator cpu but the job's --accelerator is gpu \(--gpus-per-node=4\)",
+        ),
+        (
+            ["--accelerator", "tpu"],
+            dict(),
+            r"--accelerator tpu but .*the command may say cpu, gpu, cuda or auto",
+        ),
+        (
+            ["--devices", "4"],
+            dict(devices=4, strategy="horovod", mpi="pmix"),
+            r"has --devices 4 but horovod \(Horovod\) runs one process per device: --devices=4 ranks per node",
+        ),
+        (["--devices"], dict(), r"the training command ends with --devices and no value"),
+    ],
+    ids=[
+        "devices",
+        "num-nodes",
+        "num-nodes-elastic",
+        "strategy",
+        "accelerator-gpu",
+        "accelerator-cpu",
+        "accelerator-unknown",
+        "devices-horovod",
+        "no-value",
+    ],
+)
+def test_trainer_flags_that_contradict_the_job_are_refused(
+    flags: list[str], kwargs: dict, reason: str
+) -> None:
+    with pytest.raises(ValueError, match=reason):
+        SlurmJob([*TRAIN, *flags], **kwargs)
+
+
+def test_cli_takes_unset_options_from_the_training_command(capsys: pytest.CaptureFixture[str]) -> None:
+    script = cli_script(
+        capsys, "--devices", "2", "--mpi", "pmix", command=(*TRAIN, "--strategy", "horovod_adasum")
+    )
+    assert launch_line(script) == (
+        "srun --mpi=pmix --ntasks-per-node=2 --kill-on-bad-exit=1 python examples/train.py "
+        "--strategy horovod_adasum --devices 1 --accelerator cpu"
+    )
+    script = cli_script(
+        capsys, command=(*TRAIN, "--devices", "4", "--num-nodes", "2", "--accelerator", "gpu")
+    )
+    assert {"--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4"} <= set(sbatch_lines(script))
+    assert launch_line(script).endswith("--devices 4 --num-nodes 2 --accelerator gpu --strategy ld_ddp")
+    # a script whose flags are not known: nothing is taken from it
+    assert "--ntasks-per-node=1" in sbatch_lines(
+        cli_script(capsys, command=("python", "train.py", "--devices", "4"))
+    )
+    argv = [
+        "slurm",
+        "--gpus-per-node",
+        "4",
+        "--devices",
+        "4",
+        "--script",
+        "-",
+        "--",
+        *TRAIN,
+        "--accelerator",
+        "cpu",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--accelerator cpu but --gpus-per-node=4 asks for GPUs" in err
+    assert err.rstrip().endswith("(taken from the training command: --accelerator cpu)")
+
+
+def test_cli_prints_the_filled_in_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "job.sbatch"
+    assert main(["slurm", "--devices", "2", "--script", str(path), "--", *TRAIN]) == 0
+    assert (
+        "training command, flags filled in from the job: python examples/train.py --strategy ld_ddp "
+        "--devices 2 --accelerator cpu --num-nodes 1"
+    ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--exclusive", "nodes"],
+            r"argument --exclusive: invalid choice: 'nodes' \(choose from 'user', 'mcs', 'topo'\)",
+        ),
+        (
+            ["--accelerator", "tpu"],
+            r"argument --accelerator: invalid choice: 'tpu' \(choose from 'cpu', 'gpu'\)",
+        ),
+        (["--trainer-flags", "some"], r"argument --trainer-flags: invalid choice: 'some'"),
+        (["-N", "two"], r"argument -N/--nodes: invalid int value: 'two'"),
+        (["-c", "many"], r"argument -c/--cpus-per-task: invalid int value: 'many'"),
+        (["--sbatch-arg"], r"argument --sbatch-arg: expected one argument"),
+    ],
+)
+def test_cli_refuses_bad_option_values(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["slurm", "--script", "-", *options, "--", "python", "t.py"])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_every_option_has_help_with_its_default() -> None:
+    parser = slurm.add_parser(argparse.ArgumentParser().add_subparsers())
+    for action in parser._actions:
+        if action.dest != "help":
+            assert action.help and "default" in action.help, action.option_strings
+
+
+@pytest.mark.slow
+def test_setup_runs_in_the_batch_shell_and_the_ranks_inherit_it(tmp_path: Path) -> None:
+    """bash runs the script (a stand-in srun on PATH): setup lines may read unset variables, what they
+    export reaches the launch, and the whole script parses."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "srun"
+    fake.write_text('#!/bin/sh\necho "srun $*"\necho "FROM_SETUP=$FROM_SETUP"\n')
+    fake.chmod(0o755)
+    job = SlurmJob(
+        TRAIN,
+        devices=2,
+        requeue=False,
+        setup=["export FROM_SETUP=yes", 'echo "unset: ${NOT_SET_ANYWHERE}"'],
+        sbatch_args=["--exclude=n07"],
+        exclusive=True,
+        mail_type="END",
+        mail_user="me@example.org",
+    )
+    path = write_script(job, tmp_path / "job.sbatch")
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "n1",
+    }
+    env.pop("NOT_SET_ANYWHERE", None)
+    proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert (
+        "srun --ntasks-per-node=2 --kill-on-bad-exit=1 python examples/train.py --strategy ld_ddp"
+        in proc.stdout
+    )
+    assert "FROM_SETUP=yes" in proc.stdout

@@ -76,7 +76,7 @@ def test_names_instances_and_registry() -> None:
     assert by_name.compressor.config == by_object.compressor.config and by_object.compressor is instance
     assert by_name.reduce_op == "avg" and Compressed("bf16", reduce_op="adasum").reduce_op == "adasum"
     for name in COMPRESSORS:
-        entry = StrategyRegistry[f"compressed_{name}"]
+        entry = StrategyRegistry[f"ld_compressed_{name}"]
         assert entry["strategy"] is Compressed and entry["init_params"] == {"compressor": name}
 
 
@@ -115,19 +115,22 @@ def test_horovod_adasum_rejects_other_ops() -> None:
         HorovodAdasum(op="average")
 
 
-def test_missing_horovod_points_to_install_script(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_horovod_points_to_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "horovod", None)
     monkeypatch.setitem(sys.modules, "horovod.torch", None)
     strategy = Horovod()
-    with pytest.raises(ImportError, match=r"scripts/install-horovod.sh"):
+    with pytest.raises(
+        ImportError,
+        match=r"`lightning-dist install-horovod`.*needs a C\+\+ compiler and cmake, plus MPI for Adasum",
+    ):
         _ = strategy.world_size
 
 
 def test_registered_horovod_names() -> None:
-    assert StrategyRegistry["horovod"]["strategy"] is Horovod
-    assert StrategyRegistry["horovod_adasum"]["strategy"] is HorovodAdasum
-    assert StrategyRegistry["horovod_fp16"]["init_params"] == {"compression": "fp16"}
-    assert StrategyRegistry["horovod_bf16"]["init_params"] == {"compression": "bf16"}
+    assert StrategyRegistry["ld_horovod"]["strategy"] is Horovod
+    assert StrategyRegistry["ld_horovod_adasum"]["strategy"] is HorovodAdasum
+    assert StrategyRegistry["ld_horovod_fp16"]["init_params"] == {"compression": "fp16"}
+    assert StrategyRegistry["ld_horovod_bf16"]["init_params"] == {"compression": "bf16"}
 
 
 @pytest.mark.parametrize("method", ["reduce", "all_gather"])
@@ -165,4 +168,4 @@ def test_elastic_defaults_and_registered_name() -> None:
     assert strategy.compressor.name == "none" and strategy.nonfinite is not None, (
         "skip_nonfinite on by default"
     )
-    assert StrategyRegistry["elastic"]["strategy"] is Elastic
+    assert StrategyRegistry["ld_elastic"]["strategy"] is Elastic

@@ -90,7 +90,10 @@ def adasum_reference(per_rank_tensors: Sequence[TensorOrList]) -> Any:
     lists = [[x] if isinstance(x, Tensor) else list(x) for x in per_rank_tensors]
     world = len(lists)
     if any(len(ts) != len(lists[0]) for ts in lists):
-        raise ValueError("adasum_reference: every rank must contribute the same number of tensors")
+        raise ValueError(
+            f"adasum_reference: per_rank_tensors holds {[len(ts) for ts in lists]} tensors per rank; "
+            "pass the same number of tensors (one per bucket or parameter) for every rank"
+        )
     vals = [[t.detach().double() for t in ts] for ts in lists]
     p2 = _pow2_floor(world)
     for r in range(world - p2):

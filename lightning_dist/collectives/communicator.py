@@ -500,7 +500,8 @@ class Communicator:
         if isinstance(tensor, Tensor):
             if tensor.shape[0] % w != 0:
                 raise ValueError(
-                    f"reduce_scatter: first dimension {tensor.shape[0]} must divide by world size {w}"
+                    f"reduce_scatter: first dimension {tensor.shape[0]} must divide by world size {w}; pad "
+                    f"it to a multiple of {w}, or pass a list of {w} tensors (one per rank)"
                 )
             inputs = list(tensor.chunk(w))
         else:

@@ -35,11 +35,18 @@ def start_round(comm: Communicator, group: Group, all_reduce_op: Optional[str] =
     rounds = [ex.round for ex in group]
     first = rounds[0]
     if first is None:
-        raise RuntimeError("start_round: the exchange has no round left")
+        raise RuntimeError(
+            "start_round: the group's first exchange is finished (its round is None); start a round only "
+            "while exchange.round is not None and read exchange.result once it is (run_exchanges does both)"
+        )
     op = all_reduce_op or first.op
     if len(rounds) > 1:
         if any(r is None or r.kind != "allreduce" or r.op != first.op for r in rounds):
-            raise RuntimeError("run_exchanges: lockstep exchanges must all be in the same all-reduce round")
+            kinds = [None if r is None else f"{r.kind}/{r.op}" for r in rounds]
+            raise RuntimeError(
+                f"run_exchanges: a lockstep group fuses all-reduce rounds of one op, but its exchanges' "
+                f"rounds are {kinds}; put exchanges whose rounds differ in groups of their own"
+            )
         return comm.all_reduce_async([r.payload for r in rounds if r is not None], op)
     if first.kind == "allreduce":
         return comm.all_reduce_async(first.payload, op)

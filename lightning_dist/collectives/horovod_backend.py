@@ -27,8 +27,10 @@ if TYPE_CHECKING:
     from lightning_dist.collectives.communicator import Communicator
 
 INSTALL_HINT = (
-    "run scripts/install-horovod.sh to build horovod 0.28.1 against the installed torch "
-    "(`pip install horovod` fails on torch >= 2.1)"
+    "run `lightning-dist install-horovod` (from a checkout: scripts/install-horovod.sh) to build "
+    "horovod 0.28.1 against the installed torch (`pip install horovod` fails on torch >= 2.1); the "
+    "build needs a C++ compiler and cmake, plus MPI for Adasum (HorovodAdasum needs Horovod's MPI "
+    "controller; --without-mpi builds with Gloo only)"
 )
 
 _ADASUM_DTYPES = (torch.float16, torch.float32, torch.float64)

@@ -51,11 +51,17 @@ class SingleProcessBackend(Backend):
 
     @override
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
-        raise RuntimeError("send has no peer at world size 1")
+        raise RuntimeError(
+            f"send(dst={dst}): there is no peer at world size 1 (this is the single-process backend); "
+            "guard point-to-point calls with `if comm.world_size > 1`, or run under a multi-rank strategy"
+        )
 
     @override
     def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
-        raise RuntimeError("recv has no peer at world size 1")
+        raise RuntimeError(
+            f"recv(src={src}): there is no peer at world size 1 (this is the single-process backend); "
+            "guard point-to-point calls with `if comm.world_size > 1`, or run under a multi-rank strategy"
+        )
 
     @override
     def barrier(self) -> None:

@@ -127,7 +127,15 @@ class TorchBackend(Backend):
         ``ProcessGroupGloo`` made directly from a store."""
         if group is None:
             if not dist.is_initialized():
-                raise RuntimeError("TorchBackend needs an initialised process group or an explicit `group`")
+                raise RuntimeError(
+                    "TorchBackend(group=None) uses torch.distributed's default process group, and none is "
+                    "initialised in this process. Run it under a pack strategy, which initialises one on "
+                    "every rank (L.Trainer(strategy=DDP()), Compressed(...), Elastic(...), DiLoCo(...)); or "
+                    "call torch.distributed.init_process_group(backend='gloo' or 'nccl', ...) first (under "
+                    "torchrun the environment supplies rank and world size); or pass group= (a "
+                    "ProcessGroup or a backend such as ProcessGroupGloo built from a store). In one process "
+                    "with no peers, SingleProcessBackend() is the world-size-1 twin"
+                )
             group = dist.group.WORLD
         assert group is not None
         self.group: Any = group

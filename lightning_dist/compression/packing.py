@@ -84,7 +84,10 @@ def unpack(buf: Tensor, specs: Sequence[Spec]) -> list[Tensor]:
         out.append(buf[..., offset : offset + n].view(dtype))
         offset += aligned(n)
     if offset != buf.shape[-1]:
-        raise ValueError(f"unpack: payload has {buf.shape[-1]} bytes per row, expected {offset}")
+        raise ValueError(
+            f"unpack: payload has {buf.shape[-1]} bytes per row, expected {offset} for specs {list(specs)}; "
+            "unpack with the specs the payload was packed with"
+        )
     return out
 
 

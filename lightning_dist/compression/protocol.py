@@ -125,7 +125,11 @@ class Exchange:
     def run_local(self) -> list[Tensor]:
         """Finish as the only rank (world size 1): every collective is the identity."""
         if self.world_size != 1:
-            raise RuntimeError(f"run_local: this exchange was started for world size {self.world_size}")
+            raise RuntimeError(
+                f"run_local: this exchange was started for world size {self.world_size}; run_local finishes "
+                "one started with world_size=1 only: drive it with run_exchanges over a Communicator (or "
+                "simulate, in one process)"
+            )
         while self.round is not None:
             p = self.round.payload
             self.feed(p.unsqueeze(0) if self.round.kind == "allgather" else p)
@@ -142,7 +146,11 @@ def simulate(exchanges: Sequence[Exchange]) -> list[list[Tensor]]:
         if all(r is None for r in rounds):
             break
         if any(r is None for r in rounds) or len({(r.kind, r.op) for r in rounds if r is not None}) != 1:
-            raise RuntimeError("simulate: ranks disagree on the next round")
+            kinds = [None if r is None else f"{r.kind}/{r.op}" for r in rounds]
+            raise RuntimeError(
+                f"simulate: the ranks' next rounds differ ({kinds}, by rank; None: finished); every rank's "
+                "exchange must come from the same compressor, key and tensor shapes"
+            )
         kind, op = rounds[0].kind, rounds[0].op  # type: ignore[union-attr]
         payloads = [r.payload for r in rounds]  # type: ignore[union-attr]
         if kind == "allreduce":
@@ -301,7 +309,10 @@ class Compressor(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned (copies it); fails on another compressor's state."""
         if state.get("name") != self.name:
-            raise ValueError(f"{self.name}: state_dict is for compressor {state.get('name')!r}")
+            raise ValueError(
+                f"{self.name}: load_state_dict: this state_dict is for compressor {state.get('name')!r}; "
+                f"load it into make_compressor({state.get('name')!r}), or call reset() to start {self.name} afresh"
+            )
         self._state = {k: _map_tensors(v, lambda t: t.detach().clone()) for k, v in state["keys"].items()}
 
     def merge_states(self, states: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -317,7 +328,10 @@ class Compressor(ABC):
             raise ValueError(f"{self.name}: merge_states needs at least one state, got none")
         for state in states:
             if state.get("name") != self.name:
-                raise ValueError(f"{self.name}: merge_states got a state of {state.get('name')!r}")
+                raise ValueError(
+                    f"{self.name}: merge_states got a state of {state.get('name')!r}; pass the "
+                    f"state_dict() of every old rank's {self.name} only"
+                )
         keys = [k for k in states[0]["keys"] if all(k in s["keys"] for s in states)]
         return {"name": self.name, "keys": {k: _merge_trees([s["keys"][k] for s in states]) for k in keys}}
 

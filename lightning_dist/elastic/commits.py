@@ -41,7 +41,6 @@ import random
 import re
 import secrets
 import struct
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from typing import Any, BinaryIO, Optional, Union, cast
 import torch
 
 from lightning_dist.checks import check_int
+from lightning_dist.warn import warn_once
 
 _MAGIC = b"LDCOMMIT"
 _VERSION = 1
@@ -190,7 +190,8 @@ class CommitStore:
                     vanished = True
                     break
                 except _Damaged as err:
-                    warnings.warn(f"skipping commit {path}: {err}", CommitWarning, stacklevel=2)
+                    # every rank reads the same directory (setup_environment checks): rank 0 says it
+                    warn_once(f"skipping commit {path}: {err}", CommitWarning, stacklevel=2)
                     skipped.add(step)
                     continue
                 return Commit(step=step, state=state, path=path)
@@ -385,9 +386,7 @@ def restore_rng_state(states: dict[str, Any]) -> None:
         try:
             import numpy as np
         except ImportError:
-            warnings.warn(
-                "restore_rng_state: numpy is not importable; its state is not restored", stacklevel=2
-            )
+            warn_once("restore_rng_state: numpy is not importable; its state is not restored", stacklevel=2)
         else:
             saved = states["numpy"]
             keys = np.asarray(_as_list(saved["keys"]), dtype=np.uint32)
@@ -407,7 +406,7 @@ def restore_rng_state(states: dict[str, Any]) -> None:
             for device, state in zip(range(torch.cuda.device_count()), states["cuda"]):
                 torch.cuda.set_rng_state(state.cpu(), device)
         else:
-            warnings.warn(
+            warn_once(
                 "restore_rng_state: CUDA is not available; its RNG states are not restored", stacklevel=2
             )
 

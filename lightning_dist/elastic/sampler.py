@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
@@ -58,6 +57,7 @@ import torch
 from torch.utils.data import Sampler
 
 from lightning_dist.checks import check_bool, check_choice, check_int
+from lightning_dist.warn import warn_once
 
 __all__ = [
     "ON_INDIVISIBLE",
@@ -181,7 +181,7 @@ class ElasticPlan:
                     f"on_indivisible='round_global' rounds it to a multiple of world_size ({accumulate} x "
                     f"{micro} samples per rank, accumulate x micro)"
                 )
-            warnings.warn(
+            warn_once(  # every rank builds the same plan: shown once, by rank 0
                 f"{OWNER}: global_batch={g} is not divisible by world_size={w}; {how}, so an optimizer "
                 f"step takes {effective} samples and the learning rate should be scaled by "
                 f"{effective}/{g} = {self.lr_scale:.6g} (plan.lr_scale, linear scaling rule); "
@@ -191,7 +191,7 @@ class ElasticPlan:
             )
         share = effective // w
         if 2 * micro < min(self.micro_batch, share):
-            warnings.warn(
+            warn_once(  # the same on every rank (each rank's share is equal)
                 f"{OWNER}: a rank's {share} samples per step have no divisor near micro_batch="
                 f"{self.micro_batch}, so they are read as {accumulate} micro-batches of {micro}; a "
                 "global_batch with more divisors keeps the micro-batches large",
@@ -419,7 +419,7 @@ class ElasticSampler(Sampler[list[int]]):
                 f"{self.plan.dataset_len}: positions of another dataset do not resume this one"
             )
         if state["global_batch"] != self.plan.global_batch:
-            warnings.warn(
+            warn_once(  # every rank loads the same state: shown once, by rank 0
                 f"{OWNER}: the state was saved with global_batch={state['global_batch']}, the plan has "
                 f"{self.plan.global_batch}: the epoch resumes at position {state['position']}, but its "
                 "steps from here on take other samples than the saved run's would",

@@ -15,8 +15,9 @@ import logging
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from typing_extensions import override
+
+from lightning_dist.compat import _MultiProcessingLauncher
 
 logger = logging.getLogger(__name__)
 

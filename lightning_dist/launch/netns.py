@@ -355,7 +355,10 @@ class EmulatedCluster:
             self._agent_dir = self.agent = None
         self.is_up = False
         if errors:
-            raise RuntimeError("; ".join(errors))
+            raise RuntimeError(
+                f"{self!r}.down() left namespaces behind: {'; '.join(errors)}; remove them (as root) with "
+                f"`python -m lightning_dist.launch.netns down --prefix {self.prefix}`"
+            )
 
     def __enter__(self) -> EmulatedCluster:
         return self.up()

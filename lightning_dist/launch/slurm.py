@@ -18,6 +18,18 @@ the requeued run's ``Trainer.fit`` resumes from the newest ``hpc_ckpt_*.ckpt`` b
 (and Horovod under mpirun) the batch shell gets the signal (``B:``): Elastic resumes from its own
 commits, so the script just requeues; under mpirun it forwards the signal to mpirun, which passes it
 to the ranks.
+
+``--devices`` is one thing everywhere: the devices (GPUs, or CPU processes) of each node, one rank
+per device. It is ``#SBATCH --ntasks-per-node`` (Elastic: one torchrun task per node with
+``--nproc-per-node``), the Trainer's ``devices`` (Horovod: every rank has ``devices=1``) and, on GPUs,
+``#SBATCH --gpus-per-node`` unless ``--gpus-per-node`` or a GPU ``--gres`` says otherwise.
+
+The training command is not told twice (``--trainer-flags``): when it runs the package's trainer
+(``examples/train.py``, ``python -m lightning_dist.workload.train``), whose flags are known, the
+``--strategy``, ``--devices``, ``--accelerator`` and (DDP family) ``--num-nodes`` it leaves out are
+appended from the job, and one it gives must agree with the job (a ``ValueError`` names both values).
+The ``lightning-dist slurm`` command also works the other way: an option it is not given is taken
+from the training command.
 """
 
 from __future__ import annotations
@@ -30,10 +42,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
+
+from typing_extensions import override
 
 FAMILIES = ("ddp", "horovod", "elastic")
 MPI_LAUNCHES = ("auto", "pmix", "pmi2", "mpirun")
@@ -51,6 +65,74 @@ _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _NAME = re.compile(r"^[A-Za-z0-9_.,:@%+=-]+$")
 _MEM = re.compile(r"^\d+[KMGT]?$")
 _HOST = re.compile(r"^[A-Za-z0-9_.:-]+$")
+_GRES = re.compile(r"^[A-Za-z0-9_/]+(:[A-Za-z0-9_.-]+)*(,[A-Za-z0-9_/]+(:[A-Za-z0-9_.-]+)*)*$")
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.,:@%+=&|*!()\[\]-]+$")
+_MAIL_USER = re.compile(r"^[A-Za-z0-9_.+%-]+(@[A-Za-z0-9.-]+)?$")
+ACCELERATORS = ("cpu", "gpu")
+EXCLUSIVE = ("user", "mcs", "topo")
+"""``--exclusive=`` values (a bare ``--exclusive``: whole nodes)."""
+MAIL_TYPES = (
+    "NONE",
+    "BEGIN",
+    "END",
+    "FAIL",
+    "REQUEUE",
+    "ALL",
+    "INVALID_DEPEND",
+    "STAGE_OUT",
+    "TIME_LIMIT",
+    "TIME_LIMIT_90",
+    "TIME_LIMIT_80",
+    "TIME_LIMIT_50",
+    "ARRAY_TASKS",
+)
+TRAINER_FLAG_MODES = ("auto", "always", "never")
+TRAINER_FLAGS = ("--strategy", "--devices", "--accelerator", "--num-nodes")
+"""The training command's flags that follow from the job (``--trainer-flags``)."""
+WORKLOAD_SCRIPTS = ("examples/train.py", "examples/quickstart.py", "lightning_dist/workload/train.py")
+WORKLOAD_MODULE = "lightning_dist.workload.train"
+"""The package's trainer (``lightning_dist.workload.train.parse_args``): it takes ``TRAINER_FLAGS``."""
+SBATCH_OWNED = {
+    "--job-name": "-J/--job-name",
+    "--nodes": "-N/--nodes",
+    "--ntasks": "-N/--nodes and --devices (tasks = nodes x devices)",
+    "--ntasks-per-node": "--devices",
+    "--cpus-per-task": "-c/--cpus-per-task",
+    "--gpus": "--gpus-per-node or --gres",
+    "--gpus-per-node": "--gpus-per-node",
+    "--gpus-per-task": "--gpus-per-node (every task of a node must see all of its GPUs)",
+    "--gres": "--gres",
+    "--partition": "-p/--partition",
+    "--time": "-t/--time",
+    "--mem": "--mem",
+    "--chdir": "-D/--chdir",
+    "--output": "-o/--output",
+    "--account": "-A/--account",
+    "--qos": "-q/--qos",
+    "--constraint": "-C/--constraint",
+    "--exclusive": "--exclusive",
+    "--mail-type": "--mail-type",
+    "--mail-user": "--mail-user",
+    "--signal": "--signal-seconds",
+    "--requeue": "--requeue",
+    "--no-requeue": "--no-requeue",
+    "--open-mode": "--requeue (the output is appended to across requeues)",
+}
+"""sbatch options the script writes itself, and the option of ``lightning-dist slurm`` that sets each."""
+SBATCH_SHORT = {
+    "-J": "--job-name",
+    "-N": "--nodes",
+    "-n": "--ntasks",
+    "-c": "--cpus-per-task",
+    "-G": "--gpus",
+    "-p": "--partition",
+    "-t": "--time",
+    "-D": "--chdir",
+    "-o": "--output",
+    "-A": "--account",
+    "-q": "--qos",
+    "-C": "--constraint",
+}
 
 
 class _Raw(str):
@@ -74,12 +156,14 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
 
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
     from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum
+    from lightning_dist.strategies.registry import resolve
 
     kinds: dict[str, StrategyKind] = {}
     refused: dict[str, str] = {}
     for name in StrategyRegistry.available_strategies():
-        entry = StrategyRegistry[name]
-        cls, params = entry["strategy"], entry.get("init_params", {})
+        cls, params = resolve(StrategyRegistry, name)
+        if not isinstance(cls, type):
+            continue
         if issubclass(cls, ElasticMixin):
             kinds[name] = StrategyKind(name, "elastic")
         elif issubclass(cls, HorovodAdasum):
@@ -186,6 +270,90 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def gres_gpus(gres: Optional[str]) -> int:
+    """GPUs per node that a ``--gres`` asks for (``gpu``: 1, ``gpu:4``, ``gpu:a100:4``; 0 without ``gpu``)."""
+    total = 0
+    for entry in (gres or "").split(","):
+        name, *rest = entry.split(":")
+        if name.removeprefix("gres/") == "gpu":
+            total += int(rest[-1]) if rest and rest[-1].isdigit() else 1
+    return total
+
+
+def runs_workload_trainer(command: Sequence[str]) -> bool:
+    """Whether ``command`` runs the package's trainer (``python [opts] examples/train.py ...`` or
+    ``python -m lightning_dist.workload.train ...``), whose ``TRAINER_FLAGS`` are known."""
+    if not command or not _is_python(command[0]):
+        return False
+    i = 1
+    while i < len(command) and command[i].startswith("-"):
+        if command[i] == "-m":
+            return command[i + 1 : i + 2] == [WORKLOAD_MODULE]
+        if command[i] == "-c":
+            return False
+        i += 2 if command[i] in ("-X", "-W") else 1
+    if i >= len(command):
+        return False
+    script = os.path.normpath(command[i]).replace(os.sep, "/")
+    return any(script == s or script.endswith("/" + s) for s in WORKLOAD_SCRIPTS)
+
+
+def command_flags(command: Sequence[str]) -> dict[str, str]:
+    """The values ``command`` gives for ``TRAINER_FLAGS`` (``--flag V`` or ``--flag=V``; the last one
+    wins, as with argparse; nothing after a ``--`` word)."""
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(command) and command[i] != "--":
+        name, eq, value = command[i].partition("=")
+        if name in TRAINER_FLAGS:
+            if not eq:
+                if i + 1 >= len(command):
+                    raise ValueError(f"the training command ends with {name} and no value: give {name} VALUE")
+                i += 1
+                value = command[i]
+            found[name] = value
+        i += 1
+    return found
+
+
+def _trainer_strategy(spec: str) -> str:
+    """``--strategy`` as the package's trainer takes it: a class name is ``lightning_dist:Class``."""
+    return f"lightning_dist:{spec}" if spec in CLASS_FAMILIES else spec
+
+
+def _same_strategy(a: str, b: str) -> bool:
+    def canonical(spec: str) -> str:
+        spec = _trainer_strategy(spec.replace(" ", ""))
+        return spec + "()" if ":" in spec and not spec.endswith(")") else spec
+
+    return canonical(a) == canonical(b)
+
+
+def sbatch_arg(arg: str) -> str:
+    """A ``--sbatch-arg`` as its ``#SBATCH`` line (``x=y`` gets a leading ``--``); a ``ValueError`` for
+    one that is not an sbatch option or sets an option this script writes itself."""
+    text = arg.strip()
+    if text and not text.startswith("-"):
+        text = "--" + text
+    if any(c in text for c in "\n\r\0") or not re.match(r"^--?[A-Za-z]", text):
+        raise ValueError(
+            f"--sbatch-arg {arg!r} is not an sbatch option; accepted: one option per --sbatch-arg, "
+            "as '--name=value', '--flag', '-X value' or 'name=value'"
+        )
+    if text.startswith("--"):
+        name = re.split(r"[=\s]", text, maxsplit=1)[0]
+        # sbatch takes any unambiguous prefix of an option (--nod=2 is --nodes=2)
+        owned = next((o for o in SBATCH_OWNED if o == name or (len(name) > 3 and o.startswith(name))), None)
+    else:
+        owned = SBATCH_SHORT.get(text[:2])
+    if owned is not None:
+        raise ValueError(
+            f"--sbatch-arg {arg!r} sets #SBATCH {owned}, which lightning-dist writes itself: "
+            f"use {SBATCH_OWNED[owned]} instead"
+        )
+    return text
+
+
 @dataclass
 class SlurmJob:
     """One sbatch script: ``nodes`` x ``devices`` ranks of ``strategy`` running ``command``.
@@ -199,7 +367,9 @@ class SlurmJob:
     nodes: int = 1
     """Nodes (``#SBATCH --nodes``); the Trainer's ``num_nodes``."""
     devices: int = 1
-    """Ranks per node (one per GPU or CPU process); the Trainer's ``devices`` (1 for Horovod)."""
+    """Devices per node (GPUs, or CPU processes), one rank each: ``--ntasks-per-node`` (Elastic:
+    torchrun's ``--nproc-per-node``), on GPUs the default ``--gpus-per-node``; the Trainer's
+    ``devices`` (1 for Horovod, whose every rank is one process)."""
     strategy: str = "ld_ddp"
     """Strategy name: decides how the ranks start (see the module docstring)."""
     partition: Optional[str] = None
@@ -211,7 +381,8 @@ class SlurmJob:
     cpus_per_task: Optional[int] = None
     """CPUs per rank (Elastic's one task per node gets ``devices`` times this)."""
     gpus_per_node: int = 0
-    """GPUs per node (0: a CPU job); every task of a node sees all of them."""
+    """GPUs per node (0: none, or ``devices`` with ``accelerator="gpu"``); every task of a node sees all
+    of them."""
     mem: Optional[str] = None
     """Memory per node (``64G``)."""
     signal_seconds: int = 90
@@ -230,6 +401,32 @@ class SlurmJob:
     """Elastic only: ``torchrun --max-restarts``."""
     chdir: Optional[str] = None
     """Working directory of the job (Lightning's default_root_dir: hpc checkpoints, Elastic commits)."""
+    accelerator: Optional[str] = None
+    """``cpu`` or ``gpu`` (None: ``gpu`` when ``gpus_per_node`` or ``gres`` asks for GPUs, else ``cpu``)."""
+    gres: Optional[str] = None
+    """``#SBATCH --gres`` (``gpu:4``, ``gpu:a100:4,nvme:1``); a GPU count here replaces ``gpus_per_node``."""
+    account: Optional[str] = None
+    """``#SBATCH --account``: the account charged."""
+    qos: Optional[str] = None
+    """``#SBATCH --qos``."""
+    constraint: Optional[str] = None
+    """``#SBATCH --constraint``: node features (``a100&ib``, ``[rack1|rack2]``)."""
+    exclusive: Union[bool, str] = False
+    """``#SBATCH --exclusive`` (True: whole nodes; ``user``, ``mcs`` or ``topo``: SLURM's variants)."""
+    mail_type: Optional[str] = None
+    """``#SBATCH --mail-type``: comma-separated ``MAIL_TYPES`` (``END,FAIL``)."""
+    mail_user: Optional[str] = None
+    """``#SBATCH --mail-user`` (default: the submitting user); needs ``mail_type``."""
+    setup: Sequence[str] = ()
+    """Shell lines the batch script runs, in order, before the launch (``module load cuda``,
+    ``source venv/bin/activate``); srun's tasks inherit the environment they make."""
+    sbatch_args: Sequence[str] = ()
+    """Other sbatch options, one per item, each written as ``#SBATCH <item>`` (``--exclude=n07``; a
+    bare ``name=value`` gets ``--``); options this script writes itself are refused."""
+    trainer_flags: str = "auto"
+    """``auto``: fill in and check the training command's ``TRAINER_FLAGS`` when it runs the package's
+    trainer; ``always``: for any command (it takes those flags as the package's trainer does);
+    ``never``: leave the command as it is."""
     kind: StrategyKind = field(init=False)
     launch: str = field(init=False)
     """``srun``, ``srun-pmix``, ``srun-pmi2``, ``mpirun`` or ``torchrun``."""
@@ -273,6 +470,11 @@ class SlurmJob:
             ("job_name", _NAME),
             ("mem", _MEM),
             ("master_addr", _HOST),
+            ("gres", _GRES),
+            ("account", _NAME),
+            ("qos", _NAME),
+            ("constraint", _CONSTRAINT),
+            ("mail_user", _MAIL_USER),
         ):
             value = getattr(self, name)
             if value is not None and not pattern.match(value):
@@ -283,19 +485,24 @@ class SlurmJob:
             value = getattr(self, name)
             if value is not None and (not value or any(c in value for c in "\n\r\"'")):
                 raise ValueError(f"--{name}={value!r}: empty, or holds a quote or a line break")
-        if self.gpus_per_node and self.gpus_per_node < self.devices:
+        self._check_sbatch_options()
+        gpus = self._resolve_gpus()
+        if self.accelerator == "gpu" and gpus < self.devices:
+            asked = (
+                f"--gres={self.gres}" if self.gres and not self.gpus_per_node else f"--gpus-per-node={gpus}"
+            )
             raise ValueError(
-                f"--gpus-per-node={self.gpus_per_node} is fewer than --devices={self.devices}: each rank of a "
-                f"node needs its own GPU; use --gpus-per-node={self.devices} (or fewer --devices)"
+                f"{asked} is fewer than --devices={self.devices}: each rank of a node needs its own "
+                f"GPU; ask for {self.devices} GPUs per node (or fewer --devices)"
             )
         if self.kind.adasum:
-            if self.gpus_per_node and not _power_of_two(self.nodes):
+            if self.accelerator == "gpu" and not _power_of_two(self.nodes):
                 raise ValueError(
                     f"--strategy {self.strategy} on GPUs needs a power-of-two number of nodes (Horovod's "
                     f"hierarchical Adasum), got --nodes={self.nodes}; use 1, 2, 4, 8... nodes, or "
                     "DDP(reduce_op='adasum') (any world size)"
                 )
-            if not self.gpus_per_node and not _power_of_two(ranks):
+            if self.accelerator != "gpu" and not _power_of_two(ranks):
                 raise ValueError(
                     f"--strategy {self.strategy} needs a power-of-two number of ranks, got --nodes x --devices = "
                     f"{self.nodes} x {self.devices} = {ranks}; use a power of two, or DDP(reduce_op='adasum') "
@@ -320,6 +527,120 @@ class SlurmJob:
             if mpi == "auto":
                 mpi = "pmix" if pmix_available() else "mpirun"
             self.launch = "mpirun" if mpi == "mpirun" else f"srun-{mpi}"
+        if self.trainer_flags not in TRAINER_FLAG_MODES:
+            raise ValueError(
+                f"--trainer-flags={self.trainer_flags!r}; accepted: {', '.join(TRAINER_FLAG_MODES)}"
+            )
+        if self.trainer_flags == "always" or (
+            self.trainer_flags == "auto" and runs_workload_trainer(self.command)
+        ):
+            self.command = self._with_trainer_flags()
+
+    def _check_sbatch_options(self) -> None:
+        """``exclusive``, ``mail_type``/``mail_user``, ``setup`` and ``sbatch_args``."""
+        if not (isinstance(self.exclusive, bool) or self.exclusive in EXCLUSIVE):
+            raise ValueError(
+                f"--exclusive={self.exclusive!r}; accepted: --exclusive (whole nodes) or "
+                f"--exclusive={'|'.join(EXCLUSIVE)}"
+            )
+        if self.mail_type is not None:
+            types = [t.strip().upper() for t in self.mail_type.split(",")]
+            unknown = [t for t in types if t not in MAIL_TYPES]
+            if unknown:
+                raise ValueError(
+                    f"--mail-type={self.mail_type!r}: {', '.join(repr(t) for t in unknown)} not accepted; "
+                    f"accepted (comma-separated): {', '.join(MAIL_TYPES)}"
+                )
+            self.mail_type = ",".join(types)
+        elif self.mail_user is not None:
+            raise ValueError(
+                f"--mail-user={self.mail_user} alone sends no mail: add --mail-type (e.g. END,FAIL or ALL)"
+            )
+        for line in self.setup:
+            if not isinstance(line, str) or not line.strip() or any(c in line for c in "\n\r\0"):
+                raise ValueError(
+                    f"--setup {line!r}: one non-empty shell line each (no line breaks); repeat --setup "
+                    "for more lines"
+                )
+        self.sbatch_args = [sbatch_arg(arg) for arg in self.sbatch_args]
+
+    def _resolve_gpus(self) -> int:
+        """Settle ``accelerator`` and ``gpus_per_node``; the GPUs per node the job asks for."""
+        from_gres = gres_gpus(self.gres)
+        if from_gres and self.gpus_per_node:
+            raise ValueError(
+                f"--gres={self.gres} and --gpus-per-node={self.gpus_per_node} both ask for GPUs: give one of them"
+            )
+        gpus = self.gpus_per_node or from_gres
+        if self.accelerator is None:
+            self.accelerator = "gpu" if gpus else "cpu"
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"--accelerator={self.accelerator!r}; accepted: {', '.join(ACCELERATORS)}")
+        if self.accelerator == "cpu" and gpus:
+            asked = f"--gres={self.gres}" if from_gres else f"--gpus-per-node={self.gpus_per_node}"
+            raise ValueError(
+                f"--accelerator cpu but {asked} asks for GPUs: use --accelerator gpu, or drop {asked.split('=')[0]}"
+            )
+        if self.accelerator == "gpu" and not gpus:
+            self.gpus_per_node = gpus = self.devices
+        return gpus
+
+    def _with_trainer_flags(self) -> list[str]:
+        """The command with the ``TRAINER_FLAGS`` it leaves out appended; one it gives must agree."""
+        given = command_flags(self.command)
+        horovod = self.kind.family == "horovod"
+        devices = "1" if horovod else str(self.devices)
+        wanted = {
+            "--strategy": _trainer_strategy(self.strategy),
+            "--devices": devices,
+            "--accelerator": str(self.accelerator),
+            "--num-nodes": str(self.nodes),
+        }
+        # Horovod and Elastic take the node count from MPI / the rendezvous: checked, not added
+        fill = [
+            f for f in TRAINER_FLAGS if f not in given and (f != "--num-nodes" or self.kind.family == "ddp")
+        ]
+        fix = "drop it from the training command (it is filled in from the job) or give the same value"
+        for flag, value in given.items():
+            if flag == "--strategy" and not _same_strategy(value, self.strategy):
+                raise ValueError(
+                    f"the training command has --strategy {value} but the job's --strategy is {self.strategy}: "
+                    "give it once (lightning-dist slurm takes the command's when it has none) or the same on "
+                    "both; for a strategy of your own, give --strategy the family that starts its ranks "
+                    "(e.g. ld_ddp) and --trainer-flags never"
+                )
+            if flag == "--devices" and value.strip() != devices:
+                if horovod:
+                    raise ValueError(
+                        f"the training command has --devices {value} but {self.strategy} (Horovod) runs one "
+                        f"process per device: --devices={self.devices} ranks per node, each with the Trainer's "
+                        "devices=1; drop --devices from the training command (it is filled in) or give 1"
+                    )
+                raise ValueError(
+                    f"the training command has --devices {value} but --devices={self.devices}: the Trainer's "
+                    f"devices are the ranks (SLURM tasks) per node; {fix}"
+                )
+            if flag == "--num-nodes" and value.strip() != wanted[flag]:
+                raise ValueError(
+                    f"the training command has --num-nodes {value} but --nodes={self.nodes}; {fix}"
+                )
+            if flag == "--accelerator":
+                said = {"gpu": "gpu", "cuda": "gpu", "cpu": "cpu", "auto": self.accelerator}.get(
+                    value.lower()
+                )
+                if said != self.accelerator:
+                    why = (
+                        f"--gres={self.gres}"
+                        if self.gres and gres_gpus(self.gres)
+                        else f"--gpus-per-node={self.gpus_per_node}"
+                        if self.gpus_per_node
+                        else "no GPUs asked for"
+                    )
+                    raise ValueError(
+                        f"the training command has --accelerator {value} but the job's --accelerator is "
+                        f"{self.accelerator} ({why}); the command may say cpu, gpu, cuda or auto: {fix}"
+                    )
+        return [*self.command, *(word for f in fill for word in (f, wanted[f]))]
 
     # -- the script --------------------------------------------------------------------------------
     @property
@@ -343,17 +664,23 @@ class SlurmJob:
             lines.append(f"--cpus-per-task={self.cpus_per_task}")
         if self.gpus_per_node:
             lines.append(f"--gpus-per-node={self.gpus_per_node}")
-        for name in ("partition", "time", "mem", "chdir"):
+        for name in ("gres", "partition", "account", "qos", "constraint", "time", "mem", "chdir"):
             value = getattr(self, name)
             if value is not None:
                 lines.append(f"--{name}={value}")
+        if self.exclusive:
+            lines.append("--exclusive" if self.exclusive is True else f"--exclusive={self.exclusive}")
         lines.append(f"--output={self.output}")
+        for name in ("mail_type", "mail_user"):
+            value = getattr(self, name)
+            if value is not None:
+                lines.append(f"--{name.replace('_', '-')}={value}")
         if self.requeue:
             prefix = "B:" if self._batch_signal() else ""
             lines += ["--open-mode=append", f"--signal={prefix}SIGUSR1@{self.signal_seconds}", "--requeue"]
         else:
             lines.append("--no-requeue")
-        return [f"#SBATCH {line}" for line in lines]
+        return [f"#SBATCH {line}" for line in [*lines, *self.sbatch_args]]
 
     def launch_command(self) -> list[str]:
         """The line that starts the ranks (shell words; ``$...`` expanded by the batch shell)."""
@@ -417,6 +744,14 @@ class SlurmJob:
             "set -euo pipefail",
             'echo "lightning-dist: job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
         ]
+        if self.setup:
+            # environment scripts (module, conda, venv's activate) may read unset variables: no `set -u`
+            lines += [
+                "# --setup: run here before the launch; the ranks inherit the environment",
+                "set +u",
+                *self.setup,
+                "set -u",
+            ]
         if self.requeue and family != "elastic":
             who = (
                 "the batch shell gets SIGUSR1 and forwards it to mpirun, which passes it to every rank"
@@ -509,21 +844,44 @@ def submit(path: str | os.PathLike[str]) -> str:
 # -- the `lightning-dist slurm` command -------------------------------------------------------------
 DESCRIPTION = """\
 Write (and with --submit, submit) an sbatch script that runs TRAINING_COMMAND (everything after
-`--`) with --nodes x --devices ranks of --strategy. How the ranks start depends on the strategy:
-DDP/Compressed: `srun --ntasks-per-node=DEVICES` (the Trainer needs devices=DEVICES,
-num_nodes=NODES); Horovod/HorovodAdasum: one MPI job (`srun --mpi=pmix`, else mpirun; the Trainer
-has devices=1); Elastic: one torchrun per node with a c10d rendezvous on the first node.
+`--`) with --nodes x --devices ranks of --strategy. --devices is the devices (GPUs, or CPU
+processes) of each node, one rank per device: #SBATCH --ntasks-per-node and, with --accelerator gpu,
+--gpus-per-node. How the ranks start depends on the strategy: DDP/Compressed: `srun
+--ntasks-per-node=DEVICES` (the Trainer has devices=DEVICES, num_nodes=NODES); Horovod/HorovodAdasum:
+one MPI job (`srun --mpi=pmix`, else mpirun; the Trainer has devices=1); Elastic: one torchrun per
+node with a c10d rendezvous on the first node.
+Say things once (--trainer-flags): when TRAINING_COMMAND runs the package's trainer
+(examples/train.py, python -m lightning_dist.workload.train), the --strategy, --devices,
+--accelerator and (DDP family) --num-nodes it leaves out are appended from these options, and these
+options, when not given, are taken from it; a value given on both sides must agree.
 With requeue (default) SIGUSR1 comes --signal-seconds before --time: Lightning saves an hpc
 checkpoint and requeues the job, which resumes from it; Elastic resumes from its commits.
 Bad combinations are refused before anything is written."""
 
 EPILOG = """\
 examples:
-  lightning-dist slurm --nodes 2 --devices 4 --gpus-per-node 4 --strategy ld_ddp --time 4:00:00 \\
-      -- python examples/train.py --strategy ld_ddp --accelerator gpu --devices 4 --num-nodes 2
-  lightning-dist slurm --nodes 1 --devices 2 --strategy horovod_adasum --submit \\
-      -- python examples/train.py --strategy horovod_adasum --devices 1
-  lightning-dist slurm --nodes 4 --min-nodes 2 --devices 8 --strategy elastic -- python train.py"""
+  lightning-dist slurm -N 2 --devices 4 --accelerator gpu -p gpu -t 4:00:00 -A proj \\
+      --setup 'module load cuda' --setup 'source .venv/bin/activate' -- python examples/train.py
+      # runs: python examples/train.py --strategy ld_ddp --devices 4 --accelerator gpu --num-nodes 2
+  lightning-dist slurm --devices 2 --submit -- python examples/train.py --strategy ld_horovod_adasum
+  lightning-dist slurm -N 4 --min-nodes 2 --devices 8 --gres gpu:a100:8 --strategy ld_elastic \\
+      --sbatch-arg --exclude=n07 --mail-type END,FAIL -- python train.py --devices 8"""
+
+
+class _SlurmParser(argparse.ArgumentParser):
+    """Reads ``--sbatch-arg --x=y`` (and ``--setup -x``) as the option and its value: argparse alone
+    takes a separate word that starts with ``-`` for an option of its own ("expected one argument")."""
+
+    @override
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if args is not None:
+            words, args = list(args), []
+            while words:
+                word = words.pop(0)
+                args.append(
+                    f"{word}={words.pop(0)}" if word in ("--sbatch-arg", "--setup") and words else word
+                )
+        return super().parse_known_args(args, namespace)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -535,33 +893,93 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="lightning-dist slurm [options] -- TRAINING_COMMAND ...",
     )
+    if type(p) is argparse.ArgumentParser:
+        p.__class__ = _SlurmParser
+    from_command = (
+        "default: the training command's {flag} when it has one (see --trainer-flags), else {default}"
+    )
     p.add_argument(
-        "--nodes", type=int, default=1, help="nodes to run on (the Trainer's num_nodes); default 1"
+        "-N",
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes (#SBATCH --nodes; the Trainer's num_nodes); "
+        + from_command.format(flag="--num-nodes", default=1),
     )
     p.add_argument(
         "--devices",
         type=int,
-        default=1,
-        help="ranks per node, one per GPU or CPU process (the Trainer's devices; 1 for Horovod); default 1",
+        default=None,
+        help="devices per node, GPUs or CPU processes, one rank (SLURM task) each: #SBATCH --ntasks-per-node "
+        "(Elastic: one task per node running torchrun --nproc-per-node=DEVICES), with --accelerator gpu "
+        "also --gpus-per-node; the Trainer's devices (Horovod: 1 per rank); "
+        + from_command.format(flag="--devices", default=1)
+        + " (Horovod: not taken, the command's is 1 per rank)",
+    )
+    p.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        default=None,
+        help="cpu or gpu: with gpu, --gpus-per-node defaults to --devices and the training command gets "
+        "--accelerator gpu; default: gpu when --gpus-per-node, a GPU --gres or the training command's "
+        "--accelerator ask for GPUs, else cpu",
     )
     p.add_argument(
         "--strategy",
-        default="ld_ddp",
-        help="strategy name: ld_ddp, ld_ddp_adasum, compressed_<name>, horovod, horovod_adasum, elastic, "
+        default=None,
+        help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_horovod, ld_horovod_adasum, ld_elastic, "
         "a class name (DDP, Compressed, Horovod, HorovodAdasum, Elastic), 'lightning_dist:Class(kw=...)' or "
-        "Lightning's ddp; decides how the ranks start; default ld_ddp",
+        "Lightning's ddp; decides how the ranks start; "
+        + from_command.format(flag="--strategy", default="ld_ddp"),
     )
-    p.add_argument("--partition", default=None, help="#SBATCH --partition (default: the cluster's default)")
     p.add_argument(
-        "--time", default=None, help="time limit, SLURM format (e.g. 30, 4:00:00, 1-12); default none"
+        "--trainer-flags",
+        choices=TRAINER_FLAG_MODES,
+        default="auto",
+        help="the training command's --strategy/--devices/--accelerator/--num-nodes: auto (default): when it "
+        "runs the package's trainer (examples/train.py, python -m lightning_dist.workload.train) the ones "
+        "it leaves out are appended from the job (--num-nodes for the DDP family only: Horovod and Elastic "
+        "take the node count from MPI and the rendezvous), the ones it gives must agree with the job, "
+        "and unset options here are taken from them; always: the same for any command (your script takes "
+        "these flags as examples/train.py does); never: the command is left as it is",
     )
-    p.add_argument("--job-name", default="lightning-dist", help="#SBATCH --job-name; default lightning-dist")
+    p.add_argument("-p", "--partition", default=None, help="#SBATCH --partition; default the cluster's")
     p.add_argument(
+        "-t",
+        "--time",
+        default=None,
+        help="time limit, SLURM format (e.g. 30, 4:00:00, 1-12); default none (the partition's)",
+    )
+    p.add_argument(
+        "-J", "--job-name", default="lightning-dist", help="#SBATCH --job-name; default lightning-dist"
+    )
+    p.add_argument(
+        "-A", "--account", default=None, help="#SBATCH --account to charge; default your default account"
+    )
+    p.add_argument("-q", "--qos", default=None, help="#SBATCH --qos; default the account's")
+    p.add_argument(
+        "-C",
+        "--constraint",
+        default=None,
+        help="#SBATCH --constraint, node features (e.g. a100, 'a100&ib', '[rack1|rack2]'); default none",
+    )
+    p.add_argument(
+        "--exclusive",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=EXCLUSIVE,
+        help="#SBATCH --exclusive: whole nodes, shared with no other job; --exclusive=user|mcs|topo: "
+        "SLURM's variants; default off (the partition's sharing)",
+    )
+    p.add_argument(
+        "-o",
         "--output",
         default="%x-%j.out",
         help="output file, SLURM patterns, appended across requeues; default %%x-%%j.out",
     )
     p.add_argument(
+        "-c",
         "--cpus-per-task",
         type=int,
         default=None,
@@ -570,10 +988,45 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--gpus-per-node",
         type=int,
-        default=0,
-        help="GPUs per node for GPU boxes (>= --devices; every task sees all of them); default 0 (CPU)",
+        default=None,
+        help="GPUs per node (>= --devices; every task sees all of them); default --devices with "
+        "--accelerator gpu, else 0",
+    )
+    p.add_argument(
+        "--gres",
+        default=None,
+        help="#SBATCH --gres, generic resources (e.g. gpu:4, gpu:a100:4, gpu:2,nvme:1); a GPU count here "
+        "replaces --gpus-per-node (then it is not written); default none",
     )
     p.add_argument("--mem", default=None, help="memory per node, e.g. 64G; default SLURM's")
+    p.add_argument(
+        "--mail-type",
+        default=None,
+        help=f"#SBATCH --mail-type, comma-separated: {', '.join(MAIL_TYPES)}; default none (no mail)",
+    )
+    p.add_argument(
+        "--mail-user",
+        default=None,
+        help="#SBATCH --mail-user (needs --mail-type); default the submitting user",
+    )
+    p.add_argument(
+        "--setup",
+        action="append",
+        default=None,
+        metavar="LINE",
+        help="a shell line the batch script runs before the launch, e.g. 'module load cuda' or "
+        "'source .venv/bin/activate' (the ranks inherit its environment); repeat for more lines, run in "
+        "order; default none",
+    )
+    p.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=None,
+        metavar="ARG",
+        help="another sbatch option, written as '#SBATCH ARG' (e.g. --sbatch-arg --exclude=n07; a bare "
+        "reservation=r1 gets '--'); one option each, repeatable; options written from the ones above are "
+        "refused; default none",
+    )
     p.add_argument(
         "--signal-seconds",
         type=int,
@@ -596,7 +1049,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--master-addr",
         default=None,
-        help="address of the first node when its host name does not resolve (MASTER_ADDR, Elastic's rendezvous)",
+        help="address of the first node when its host name does not resolve (MASTER_ADDR, Elastic's "
+        "rendezvous); default the first node's host name",
     )
     p.add_argument(
         "--mpi",
@@ -609,12 +1063,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "--min-nodes",
         type=int,
         default=None,
-        help="Elastic only: keep training down to this many nodes (torchrun --nnodes=MIN:NODES)",
+        help="Elastic only: keep training down to this many nodes (torchrun --nnodes=MIN:NODES); default "
+        "none (always --nodes)",
     )
     p.add_argument(
         "--max-restarts", type=int, default=3, help="Elastic only: torchrun --max-restarts; default 3"
     )
     p.add_argument(
+        "-D",
         "--chdir",
         default=None,
         help="working directory of the job (Lightning's default_root_dir: hpc checkpoints, Elastic commits); "
@@ -625,24 +1081,55 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         default=None,
         help="where to write the script ('-': print it); default ./<job-name>.sbatch",
     )
-    p.add_argument("--submit", action="store_true", help="submit it with sbatch and print the job id")
+    p.add_argument(
+        "--submit",
+        action="store_true",
+        help="submit it with sbatch and print the job id; default: only write",
+    )
     return p
 
 
-def run(args: argparse.Namespace, command: list[str]) -> int:
-    """The ``slurm`` subcommand: build (checks first), write, maybe submit."""
+def job_from_args(args: argparse.Namespace, command: list[str]) -> SlurmJob:
+    """The job of a parsed ``lightning-dist slurm`` command line. ``--strategy``, ``--nodes``,
+    ``--devices`` and ``--accelerator`` left unset are taken from the training command's flags where
+    ``--trainer-flags`` applies (a ``ValueError`` then says what was taken)."""
+    mode = args.trainer_flags
+    given = (
+        command_flags(command)
+        if mode == "always" or (mode == "auto" and runs_workload_trainer(command))
+        else {}
+    )
+    taken: list[str] = []
+
+    def take(flag: str, ok: Callable[[str], bool]) -> Optional[str]:
+        value = given.get(flag, "").strip()
+        if not (value and ok(value)):
+            return None
+        taken.append(f"{flag} {value}")
+        return value
+
     try:
-        job = SlurmJob(
+        strategy = args.strategy or take("--strategy", bool) or "ld_ddp"
+        nodes = args.nodes if args.nodes is not None else int(take("--num-nodes", str.isdigit) or 1)
+        devices = args.devices
+        if devices is None:
+            horovod = resolve_strategy(strategy).family == "horovod"  # the command's devices is 1 per rank
+            devices = int((None if horovod else take("--devices", str.isdigit)) or 1)
+        accelerator = args.accelerator
+        if accelerator is None:
+            said = take("--accelerator", lambda v: v.lower() in ("cpu", "gpu", "cuda"))
+            accelerator = None if said is None else "cpu" if said.lower() == "cpu" else "gpu"
+        return SlurmJob(
             command=command,
-            nodes=args.nodes,
-            devices=args.devices,
-            strategy=args.strategy,
+            nodes=nodes,
+            devices=devices,
+            strategy=strategy,
             partition=args.partition,
             time=args.time,
             job_name=args.job_name,
             output=args.output,
             cpus_per_task=args.cpus_per_task,
-            gpus_per_node=args.gpus_per_node,
+            gpus_per_node=args.gpus_per_node or 0,
             mem=args.mem,
             signal_seconds=args.signal_seconds,
             requeue=args.requeue,
@@ -652,7 +1139,28 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
             min_nodes=args.min_nodes,
             max_restarts=args.max_restarts,
             chdir=args.chdir,
+            accelerator=accelerator,
+            gres=args.gres,
+            account=args.account,
+            qos=args.qos,
+            constraint=args.constraint,
+            exclusive=args.exclusive,
+            mail_type=args.mail_type,
+            mail_user=args.mail_user,
+            setup=args.setup or (),
+            sbatch_args=args.sbatch_arg or (),
+            trainer_flags=mode,
         )
+    except ValueError as exc:
+        if not taken:
+            raise
+        raise ValueError(f"{exc} (taken from the training command: {', '.join(taken)})") from None
+
+
+def run(args: argparse.Namespace, command: list[str]) -> int:
+    """The ``slurm`` subcommand: build (checks first), write, maybe submit."""
+    try:
+        job = job_from_args(args, command)
     except ValueError as exc:
         print(f"lightning-dist slurm: {exc}", file=sys.stderr)
         return 2
@@ -664,6 +1172,8 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         return 0
     path = write_script(job, args.script or f"{job.job_name}.sbatch")
     print(f"wrote {path} ({job.launch}, {job.nodes} x {job.devices} = {job.ranks} ranks)")
+    if job.command != command:
+        print(f"training command, flags filled in from the job: {shlex.join(job.command)}")
     if not args.submit:
         print(f"submit with: sbatch {shlex.quote(str(path))}")
         return 0

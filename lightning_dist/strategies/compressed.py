@@ -15,21 +15,22 @@ and one resumed at another world size starts the compressor afresh (with a warni
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.compat import _PATH
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import reduce_op_name
+from lightning_dist.strategies.registry import register
+from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class Compressed(DDP):
         **options: the compressor's options (``rank=4``) and ``DDP``'s (``bucket_cap_mb``, ``start_method`` ...).
     """
 
-    strategy_name = "compressed"
+    strategy_name = "ld_compressed"
 
     def __init__(
         self,
@@ -209,7 +210,8 @@ class Compressed(DDP):
                 f"the checkpoint's compressor is {saved.get('compressor')!r}, not {self.compressor.name!r}"
             )
         if problem is not None:
-            warnings.warn(f"Compressed: {problem}; the compressor starts afresh", stacklevel=2)
+            # the same on every rank: shown once, by rank 0
+            warn_once(f"Compressed: {problem}; the compressor starts afresh", stacklevel=2)
             self.compressor.reset()
             state.planned = None
             return
@@ -233,9 +235,13 @@ class Compressed(DDP):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         for name in COMPRESSORS:
-            strategy_registry.register(
-                f"compressed_{name}",
+            register(
+                strategy_registry,
+                f"ld_compressed_{name}",
                 cls,
-                description=f"lightning_dist DDP with {name} gradient compression",
+                f"DDP with {name} gradient compression"
+                if name != "none"
+                else "Compressed's path, no compression",
+                deprecated=f"compressed_{name}",
                 compressor=name,
             )

@@ -11,7 +11,6 @@ into the keys the checkpointed state belongs to.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
-import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,6 +22,7 @@ from torch.futures import Future
 from lightning_dist import collectives
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import Compressor, Exchange, reference_bytes
+from lightning_dist.warn import warn_once
 
 Layout = dict[int, list[int]]
 
@@ -65,7 +65,7 @@ class CompressedHookState:
             if covered == sorted(indices) and all(all(p in where for p in planned[k]) for k in parts):
                 return [(k, [where[p] for p in planned[k]]) for k in sorted(parts)]
             if not self._warned:
-                warnings.warn(
+                warn_once(  # DDP's buckets are the same on every rank: shown once, by rank 0
                     "Compressed: DDP's gradient buckets do not match the checkpointed bucket layout; "
                     "the compressor state of the mismatched buckets starts afresh",
                     stacklevel=2,

@@ -13,15 +13,13 @@ from typing import Any, Literal, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.compat import _IS_INTERACTIVE, _init_dist_connection, _SubprocessScriptLauncher
 from lightning_dist.launch.fork_check import checked_launcher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
@@ -34,6 +32,7 @@ from lightning_dist.strategies.options import (
     reduce_op_name,
     reject_unknown_options,
 )
+from lightning_dist.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
@@ -241,15 +240,17 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             ("ld_ddp_fork", "fork"),
             ("ld_ddp_notebook", "fork"),
         ):
-            strategy_registry.register(
+            register(
+                strategy_registry,
                 name,
                 cls,
-                description=f"lightning_dist DDP, start_method={start_method!r}",
+                f"DDP over torch's reducer, launched with start_method={start_method!r}",
                 start_method=start_method,
             )
-        strategy_registry.register(
+        register(
+            strategy_registry,
             "ld_ddp_adasum",
             cls,
-            description="lightning_dist DDP with gradient-space Adasum",
+            "DDP with gradient-space Adasum instead of the average (any backend, no Horovod)",
             reduce_op="adasum",
         )

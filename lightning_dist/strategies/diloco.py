@@ -25,7 +25,6 @@ Validation inside ``fit`` sees each rank's current weights (the local ones betwe
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -33,7 +32,6 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
@@ -41,10 +39,13 @@ from typing_extensions import override
 from lightning_dist import collectives
 from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
 from lightning_dist.collectives.exchanges import run_exchanges
+from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
+from lightning_dist.strategies.registry import register
+from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,51 @@ def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
+def _unregistered_name(module: nn.Module, param: Tensor) -> Optional[str]:
+    """Where ``param`` sits in ``module`` outside its registered parameters: a plain tensor attribute
+    (``"scale"``), or a module or tensor in a plain list, tuple or dict attribute (``"blocks[1].weight"``)."""
+    for prefix, mod in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for attr, value in vars(mod).items():
+            if attr.startswith("_"):
+                continue
+            candidates = [(f"{dot}{attr}", value)]
+            if isinstance(value, dict):
+                candidates += [(f"{dot}{attr}[{k!r}]", v) for k, v in value.items()]
+            elif isinstance(value, (list, tuple)):
+                candidates += [(f"{dot}{attr}[{i}]", v) for i, v in enumerate(value)]
+            for name, candidate in candidates:
+                if candidate is param:
+                    return name
+                if isinstance(candidate, nn.Module):  # registered sub-modules are not in vars()
+                    for sub, p in candidate.named_parameters():
+                        if p is param:
+                            return f"{name}.{sub}"
+    return None
+
+
+def foreign_parameter_message(
+    module: nn.Module, param: Tensor, group_index: int, group: Mapping[str, Any]
+) -> str:
+    """What ``DiLoCo.setup`` raises for an optimizer parameter that is not one of ``module``'s: the
+    parameter (shape, dtype, its name where the optimizer or the module has one) and the fix."""
+    index = next(i for i, p in enumerate(group["params"]) if p is param)
+    where = f"param_groups[{group_index}]['params'][{index}]"
+    names = group.get("param_names")
+    if isinstance(names, (list, tuple)) and index < len(names):
+        where += f", named {names[index]!r} in the optimizer's param_names"
+    attr = _unregistered_name(module, param)
+    if attr is not None:
+        where += f", the module's unregistered {attr!r} (a plain attribute, list or dict: not a parameter)"
+    return (
+        f"DiLoCo: the optimizer holds a parameter that is not one of the LightningModule's parameters "
+        f"({where}; shape {tuple(param.shape)}, dtype {param.dtype}). DiLoCo averages and checkpoints the "
+        "module's parameters, so the inner optimizer must step only those: build it from self.parameters() "
+        "(or self.named_parameters()) in configure_optimizers, and register sub-modules and tensors "
+        "(nn.ModuleList/nn.ModuleDict, nn.Parameter) rather than keeping them in plain attributes."
+    )
+
+
 class DiLoCo(DDP):
     """DiLoCo: ``inner_steps`` local optimizer steps per rank, then an averaged outer Nesterov step.
 
@@ -124,7 +170,7 @@ class DiLoCo(DDP):
         accelerator ... start_method: as ``DDP``'s (``start_method="auto"``: fork in notebooks).
     """
 
-    strategy_name = "diloco"
+    strategy_name = "ld_diloco"
 
     def __init__(
         self,
@@ -220,14 +266,12 @@ class DiLoCo(DDP):
         names = {id(p): n for n, p in module.named_parameters()}
         named: list[tuple[str, Tensor]] = []
         seen: set[int] = set()
-        for group in self.optimizers[0].param_groups:
+        for group_index, group in enumerate(self.optimizers[0].param_groups):
             for p in group["params"]:
                 if id(p) in seen:
                     continue
                 if id(p) not in names:
-                    raise ValueError(
-                        "DiLoCo: the optimizer holds a parameter that is not the LightningModule's"
-                    )
+                    raise ValueError(foreign_parameter_message(module, p, group_index, group))
                 seen.add(id(p))
                 named.append((names[id(p)], p))
         self.outer = OuterSGD(named, self.outer_lr, self.outer_momentum, self.nesterov)
@@ -363,7 +407,7 @@ class DiLoCo(DDP):
             checkpoint = {**checkpoint, "optimizer_states": entry["optimizer_states"]}
             self.compressor.load_state_dict(entry["compressor"])
         else:
-            warnings.warn(
+            warn_once(  # the same on every rank: shown once, by rank 0
                 f"DiLoCo: {problem}; every rank continues from the same weights with rank 0's inner "
                 "optimizer state, so the resumed run does not continue exactly as an uninterrupted one would",
                 stacklevel=2,
@@ -381,21 +425,32 @@ class DiLoCo(DDP):
             self.inner_step = 0
         if saved.get("inner_steps") != self.inner_steps:
             logger.info(
-                "DiLoCo: the checkpoint's inner_steps=%s, this run's %d",
+                "DiLoCo: the checkpoint was saved with inner_steps=%s, this run has inner_steps=%d: the "
+                "outer state and the %d inner steps since the last sync carry over, and syncs now come "
+                "every %d optimizer steps; pass DiLoCo(inner_steps=%s) to keep the saved schedule",
                 saved.get("inner_steps"),
                 self.inner_steps,
+                self.inner_step,
+                self.inner_steps,
+                saved.get("inner_steps"),
             )
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "diloco", cls, description="lightning_dist DiLoCo (local steps, outer Nesterov)"
+        register(
+            strategy_registry,
+            "ld_diloco",
+            cls,
+            "DiLoCo: local steps, then an outer Nesterov step on the averaged change",
+            deprecated="diloco",
         )
         for name in DILOCO_COMPRESSIONS[1:]:
-            strategy_registry.register(
-                f"diloco_{name}",
+            register(
+                strategy_registry,
+                f"ld_diloco_{name}",
                 cls,
-                description=f"lightning_dist DiLoCo with {name} pseudo-gradients",
+                f"DiLoCo with {name} pseudo-gradients on the wire",
+                deprecated=f"diloco_{name}",
                 compression=name,
             )

@@ -72,13 +72,16 @@ class OuterSGD:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what ``state_dict`` returned; ValueError when the parameter names differ."""
+        """Restore what ``state_dict`` returned; ValueError naming what differs when the parameter
+        names or shapes are not this model's."""
         anchors, momentum = state["anchors"], state["momentum"]
-        if sorted(anchors) != sorted(self.names):
-            missing = sorted(set(self.names) - set(anchors))
-            extra = sorted(set(anchors) - set(self.names))
+        problem = self._mismatch(anchors)
+        if problem:
             raise ValueError(
-                f"DiLoCo: the checkpoint's outer state is for other parameters (missing {missing}, extra {extra})"
+                f"DiLoCo: the checkpoint's outer state is for other parameters than the ones the inner "
+                f"optimizer steps: {problem}. Resume with the model and configure_optimizers of the run that "
+                "saved it, or, to start the outer state afresh from the loaded weights, delete the "
+                "checkpoint's 'lightning_dist.diloco' entry (its per-rank states go with it)"
             )
         with torch.no_grad():
             for name, a in zip(self.names, self.anchors, strict=True):
@@ -88,3 +91,29 @@ class OuterSGD:
                     self.optimizer.state[a] = {
                         "momentum_buffer": momentum[name].to(a.device, a.dtype).clone()
                     }
+
+    def _mismatch(self, anchors: Mapping[str, Any]) -> str:
+        """What differs between a checkpoint's anchors and these parameters ("" when nothing does)."""
+        problems = []
+        if len(anchors) != len(self.names):
+            problems.append(f"it holds {len(anchors)} parameters, this model's optimizer {len(self.names)}")
+        missing = [n for n in self.names if n not in anchors]
+        extra = [n for n in anchors if n not in set(self.names)]
+        if missing:
+            problems.append(f"missing {_some(missing)}")
+        if extra:
+            problems.append(f"extra {_some(extra)} (not in this model's optimizer)")
+        shapes = [
+            f"{n} {tuple(anchors[n].shape)} in the checkpoint, {tuple(a.shape)} here"
+            for n, a in zip(self.names, self.anchors, strict=True)
+            if n in anchors and tuple(anchors[n].shape) != tuple(a.shape)
+        ]
+        if shapes:
+            problems.append(f"other shapes: {_some(shapes)}")
+        return "; ".join(problems)
+
+
+def _some(items: Sequence[str], limit: int = 5) -> str:
+    """``items`` joined, the first ``limit`` of them and how many more."""
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit} more"

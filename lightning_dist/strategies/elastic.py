@@ -52,6 +52,8 @@ from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
 from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.model_check import check_same_model
+from lightning_dist.strategies.registry import register
+from lightning_dist.warn import warn_once
 
 if TYPE_CHECKING:  # the mixin's super() calls reach DDP's methods
     from lightning_dist.strategies.ddp import DDP as _MixinBase
@@ -193,7 +195,7 @@ class ElasticMixin(_MixinBase):
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
         ):
-            logger.warning(
+            warn_once(  # the same on every rank: shown once, by rank 0
                 "Elastic: several torchrun agents share torch's rendezvous store; when a node leaves and "
                 "joins again torch 2.x loses the master address and the workers' store keys of the round "
                 "(the rendezvous times out). Start every torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
@@ -294,11 +296,10 @@ class ElasticMixin(_MixinBase):
                 "the same dataset or point dirpath= at a new directory"
             )
         if resumed is not None and resumed.micro_batch != dataloader.batch_size:
-            logger.warning(
-                "Elastic: the DataLoader's batch_size=%d differs from the committed run's %d; the "
-                "committed plan is kept",
-                dataloader.batch_size,
-                resumed.micro_batch,
+            warn_once(  # the same on every rank: shown once, by rank 0
+                f"Elastic: the DataLoader's batch_size={dataloader.batch_size} differs from the committed "
+                f"run's {resumed.micro_batch}; the committed plan is kept",
+                stacklevel=2,
             )
         self.plan = resumed or ElasticPlan(
             dataset_len=dataset_len,
@@ -401,7 +402,7 @@ class Elastic(ElasticMixin, Compressed):
         **options: ``Compressed``/``DDP`` options (``skip_nonfinite`` defaults to True here).
     """
 
-    strategy_name = "elastic"
+    strategy_name = "ld_elastic"
 
     def __init__(
         self,
@@ -438,7 +439,13 @@ class Elastic(ElasticMixin, Compressed):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("elastic", cls, description="lightning_dist Elastic (commits, torchrun)")
+        register(
+            strategy_registry,
+            "ld_elastic",
+            cls,
+            "elastic DDP under torchrun: atomic commits, exactly-once data across restarts",
+            deprecated="elastic",
+        )
 
 
 class ElasticDiLoCo(ElasticMixin, DiLoCo):
@@ -455,7 +462,7 @@ class ElasticDiLoCo(ElasticMixin, DiLoCo):
             ``skip_nonfinite`` are refused: DiLoCo has no gradient all-reduce.
     """
 
-    strategy_name = "elastic_diloco"
+    strategy_name = "ld_elastic_diloco"
 
     def __init__(
         self,
@@ -489,6 +496,10 @@ class ElasticDiLoCo(ElasticMixin, DiLoCo):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "elastic_diloco", cls, description="lightning_dist DiLoCo with Elastic's commits (torchrun)"
+        register(
+            strategy_registry,
+            "ld_elastic_diloco",
+            cls,
+            "DiLoCo with Elastic's commits and exactly-once data (torchrun)",
+            deprecated="elastic_diloco",
         )

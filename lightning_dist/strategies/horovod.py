@@ -30,6 +30,7 @@ from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.options import check_choice, reject_unknown_options
+from lightning_dist.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
             The factor multiplies every optimizer param group's ``lr`` once, at setup.
     """
 
-    strategy_name = "horovod"
+    strategy_name = "ld_horovod"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Horovod:
         """``Horovod(op="adasum")`` is an alias of ``HorovodAdasum()``."""
@@ -316,14 +317,17 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("horovod", cls, description="lightning_dist Horovod (average)")
-        strategy_registry.register("horovod_sum", cls, description="lightning_dist Horovod (sum)", op="sum")
-        strategy_registry.register(
-            "horovod_fp16", cls, description="lightning_dist Horovod, fp16 gradients", compression="fp16"
+        register(
+            strategy_registry, "ld_horovod", cls, "Horovod, average of the gradients", deprecated="horovod"
         )
-        strategy_registry.register(
-            "horovod_bf16", cls, description="lightning_dist Horovod, bf16 gradients", compression="bf16"
+        register(
+            strategy_registry, "ld_horovod_sum", cls, "Horovod, sum of the gradients", "horovod_sum", op="sum"
         )
+        for wire in ("fp16", "bf16"):
+            description = f"Horovod, {wire} gradients on the wire"
+            register(
+                strategy_registry, f"ld_horovod_{wire}", cls, description, f"horovod_{wire}", compression=wire
+            )
 
 
 def _horovod_compressor(compression: Any) -> Optional[Compressor]:

@@ -13,20 +13,21 @@ size, or one without that entry, loads rank 0's state on every rank (with a warn
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_dist import collectives
+from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.horovod import Horovod
+from lightning_dist.strategies.registry import register
+from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class HorovodAdasum(Horovod):
     each rank's optimizer state is gathered to rank 0, which writes them all.
     """
 
-    strategy_name = "horovod_adasum"
+    strategy_name = "ld_horovod_adasum"
 
     def __init__(
         self,
@@ -156,7 +157,7 @@ class HorovodAdasum(Horovod):
             assert saved is not None
             checkpoint = {**checkpoint, "optimizer_states": saved["ranks"][self.global_rank]}
         else:
-            warnings.warn(
+            warn_once(  # the same on every rank: shown once, by rank 0
                 f"HorovodAdasum: {problem}; every rank loads rank 0's optimizer state, so the resumed run "
                 "does not continue exactly as an uninterrupted one would",
                 stacklevel=2,
@@ -171,4 +172,10 @@ class HorovodAdasum(Horovod):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register("horovod_adasum", cls, description="lightning_dist Horovod with Adasum")
+        register(
+            strategy_registry,
+            "ld_horovod_adasum",
+            cls,
+            "Horovod with Adasum of the optimizer updates (MPI controller)",
+            deprecated="horovod_adasum",
+        )

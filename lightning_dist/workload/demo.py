@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -41,12 +42,12 @@ def demo_runs() -> list[DemoRun]:
         DemoRun("Lightning DDPStrategy (reference)", "ddp"),
         DemoRun("DDP()", "ld_ddp"),
         DemoRun("DDP(reduce_op='adasum')", "ld_ddp_adasum"),
-        DemoRun("Compressed('fp16')", "compressed_fp16"),
-        DemoRun("Compressed('int8')", "compressed_int8"),
-        DemoRun("Compressed('powersgd', rank=4)", "compressed_powersgd"),
-        DemoRun("Compressed('topk', ratio=0.01)", "compressed_topk"),
-        DemoRun("Horovod() (mpirun)", "horovod", mpirun, devices=1, needs="horovod.torch"),
-        DemoRun("HorovodAdasum() (mpirun)", "horovod_adasum", mpirun, devices=1, needs="horovod.torch"),
+        DemoRun("Compressed('fp16')", "ld_compressed_fp16"),
+        DemoRun("Compressed('int8')", "ld_compressed_int8"),
+        DemoRun("Compressed('powersgd', rank=4)", "ld_compressed_powersgd"),
+        DemoRun("Compressed('topk', ratio=0.01)", "ld_compressed_topk"),
+        DemoRun("Horovod() (mpirun)", "ld_horovod", mpirun, devices=1, needs="horovod.torch"),
+        DemoRun("HorovodAdasum() (mpirun)", "ld_horovod_adasum", mpirun, devices=1, needs="horovod.torch"),
     ]
 
 
@@ -127,6 +128,32 @@ def run_on_cluster(
     return _read_result(out, code, "\n".join(r.stderr for r in results))
 
 
+class Progress:
+    """One line per finished row: its elapsed time and, from the rows so far, the time left."""
+
+    def __init__(self, total: int, what: str = "") -> None:
+        self.total, self.what, self.done, self.spent = total, what, 0, 0.0
+        self._start = time.monotonic()
+
+    def start(self) -> None:
+        self._start = time.monotonic()
+
+    def finish(self, label: str, status: str = "done") -> str:
+        elapsed = time.monotonic() - self._start
+        self.done += 1
+        self.spent += elapsed
+        left = self.total - self.done
+        eta = f"about {_duration(self.spent / self.done * left)} left" if left else "all done"
+        line = f"[demo] {label}{self.what}: {status} in {elapsed:.1f} s ({self.done}/{self.total}; {eta})"
+        print(line, flush=True)
+        return line
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes} min {secs:02d} s" if minutes else f"{secs} s"
+
+
 def capped_column(
     rows: list[tuple[str, dict]], steps: int, workdir: str, extra: list[str], cap_mbit: float
 ) -> Optional[dict[str, dict]]:
@@ -140,19 +167,23 @@ def capped_column(
         return None
     by_label = {run.label: run for run in demo_runs()}
     column: dict[str, dict] = {}
+    todo = [label for label, local in rows if "error" not in local and "skipped" not in local]
+    progress = Progress(len(todo), f" at {cap_mbit:g} Mbit/s")
     with netns.EmulatedCluster(2, rate_mbit=cap_mbit) as cluster:
-        for i, (label, local) in enumerate(rows):
+        for i, (label, _) in enumerate(rows):
             cluster.master_port = netns.DEFAULT_MASTER_PORT + i  # a fresh rendezvous port per run
-            if "error" in local or "skipped" in local:
+            if label not in todo:
                 column[label] = {"skipped": "-"}
                 continue
             print(
                 f"[demo] {label}: {steps} steps across 2 emulated nodes at {cap_mbit:g} Mbit/s ...",
                 flush=True,
             )
+            progress.start()
             column[label] = run_on_cluster(cluster, by_label[label], steps, workdir, extra)
             if "error" in column[label]:
                 print(f"[demo] {label} across nodes FAILED\n{column[label]['error']}", flush=True)
+            progress.finish(label, "FAILED" if "error" in column[label] else "done")
     return column
 
 
@@ -198,17 +229,20 @@ def main(steps: int = 100, extra: Optional[list[str]] = None, cap_mbit: float = 
     rows: list[tuple[str, dict]] = []
     failed = False
     with tempfile.TemporaryDirectory() as workdir:
-        for run in demo_runs():
-            reason = _available(run)
+        runs = [(run, _available(run)) for run in demo_runs()]
+        progress = Progress(sum(1 for _, reason in runs if not reason))
+        for run, reason in runs:
             if reason:
                 print(f"[demo] {run.label}: {reason}", flush=True)
                 rows.append((run.label, {"skipped": reason}))
                 continue
             print(f"[demo] {run.label}: training {steps} steps on 2 processes ...", flush=True)
+            progress.start()
             result = run_one(run, steps, workdir, extra)
             if "error" in result:
                 failed = True
                 print(f"[demo] {run.label} FAILED\n{result['error']}", flush=True)
+            progress.finish(run.label, "FAILED" if "error" in result else "done")
             rows.append((run.label, result))
         capped = None
         cap_steps = min(steps, CAPPED_STEPS)

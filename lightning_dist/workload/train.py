@@ -8,7 +8,7 @@ import importlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -107,25 +107,53 @@ def train(run: TrainRun) -> dict[str, Any]:
     }
 
 
-def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainRun, Optional[str]]:
-    parser = argparse.ArgumentParser(description="Train the embedded workload (stdlib byte LM).")
+def build_parser() -> argparse.ArgumentParser:
+    """The example's flags, each with its help and default (``--help``)."""
+    parser = argparse.ArgumentParser(
+        description="Train the embedded workload (stdlib byte LM).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     defaults = TrainRun()
-    parser.add_argument("--strategy", default=defaults.strategy)
-    parser.add_argument("--devices", type=int, default=defaults.devices)
-    parser.add_argument("--accelerator", default=defaults.accelerator)
-    parser.add_argument("--num-nodes", type=int, default=defaults.num_nodes)
-    parser.add_argument("--max-steps", type=int, default=defaults.max_steps)
-    parser.add_argument("--accumulate", type=int, default=defaults.accumulate_grad_batches)
-    parser.add_argument("--precision", default=defaults.precision)
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--threads-per-rank", type=int, default=defaults.threads_per_rank)
-    parser.add_argument("--workload", default="{}", help="JSON overrides for WorkloadConfig")
-    parser.add_argument("--json-out", default=None, help="rank 0 writes its summary here")
-    a = parser.parse_args(argv)
+    add = parser.add_argument
+    add("--strategy", default=defaults.strategy, help="a registered name, or module:Expression(...)")
+    add(
+        "--devices",
+        default="auto",
+        help="per node; auto: every GPU when there are GPUs, else 2 CPU processes",
+    )
+    add("--accelerator", default="auto", help="cpu, gpu, or auto (gpu when there are GPUs)")
+    add("--num-nodes", type=int, default=defaults.num_nodes, help="nodes (one launcher per node)")
+    add("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
+    add("--accumulate", type=int, default=defaults.accumulate_grad_batches, help="batches per optimizer step")
+    add("--precision", default=defaults.precision, help="Lightning precision, e.g. bf16-mixed on GPUs")
+    add("--seed", type=int, default=defaults.seed, help="seed of weights and data order")
+    add(
+        "--threads-per-rank",
+        type=int,
+        default=defaults.threads_per_rank,
+        help="torch CPU threads per process",
+    )
+    add("--workload", default="{}", help="JSON overrides for WorkloadConfig")
+    add("--json-out", default=None, help="rank 0 writes its summary here")
+    return parser
+
+
+def resolve_devices(accelerator: str, devices: str) -> tuple[str, Union[int, str]]:
+    """``auto`` made concrete: the GPUs when there are any (every one of them), else 2 CPU processes."""
+    if accelerator == "auto":
+        accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    if devices == "auto":
+        return accelerator, (-1 if accelerator == "gpu" else TrainRun().devices)
+    return accelerator, int(devices)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainRun, Optional[str]]:
+    a = build_parser().parse_args(argv)
+    accelerator, devices = resolve_devices(a.accelerator, a.devices)
     run = TrainRun(
         strategy=a.strategy,
-        devices=a.devices,
-        accelerator=a.accelerator,
+        devices=devices,  # type: ignore[arg-type]
+        accelerator=accelerator,
         num_nodes=a.num_nodes,
         max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate,

@@ -1,0 +1,135 @@
+"""What a user of the installed package meets: one naming scheme in Lightning's StrategyRegistry
+(deprecated bare names, no overwriting another package's name), `lightning-dist strategies` and
+`--version`, the tested versions in one place, and the package metadata."""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from pathlib import Path
+
+import lightning
+import pytest
+import tomllib
+from helpers import ROOT
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_dist
+from lightning_dist import compat
+from lightning_dist.cli import main
+from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum
+from lightning_dist.strategies.registry import DeprecatedName, pack_names
+
+CLASSES = (DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum)
+OLD_NAMES = {
+    "horovod": "ld_horovod",
+    "horovod_adasum": "ld_horovod_adasum",
+    "horovod_fp16": "ld_horovod_fp16",
+    "elastic": "ld_elastic",
+    "elastic_diloco": "ld_elastic_diloco",
+    "diloco": "ld_diloco",
+    "diloco_int8": "ld_diloco_int8",
+    "compressed_int8": "ld_compressed_int8",
+    "compressed_powersgd": "ld_compressed_powersgd",
+}
+
+
+def test_every_registered_name_starts_with_ld() -> None:
+    names = pack_names(StrategyRegistry)
+    current = [n for n in names if not isinstance(StrategyRegistry[n]["strategy"], DeprecatedName)]
+    assert len(current) >= 25 and all(n.startswith("ld_") for n in current), current
+    assert all(names[n] for n in names), "every name has a description"
+    for cls in CLASSES:
+        assert cls.strategy_name.startswith("ld_"), cls
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(OLD_NAMES.items()))
+def test_old_bare_names_still_build_the_strategy_and_warn(old: str, new: str) -> None:
+    StrategyRegistry[old]["strategy"].warned = False
+    with pytest.warns(FutureWarning, match=rf'strategy="{old}" is deprecated .* use strategy="{new}"'):
+        built = StrategyRegistry.get(old)
+    expected = StrategyRegistry.get(new)
+    assert type(built) is type(expected)
+    for option in ("compressor", "compression", "inner_steps", "commit_every", "op"):
+        assert repr(getattr(built, option, None)) == repr(getattr(expected, option, None)), option
+
+
+def test_a_name_another_package_holds_is_left_to_it() -> None:
+    registry = _StrategyRegistry()
+
+    class OtherHorovod:  # what the lightning-horovod plugin registers as "horovod"
+        pass
+
+    registry.register("horovod", OtherHorovod, description="another package's Horovod")
+    with pytest.warns(UserWarning, match=r"'horovod' is already registered by .*OtherHorovod"):
+        Horovod.register_strategies(registry)
+    assert registry["horovod"]["strategy"] is OtherHorovod, "the other package keeps its name"
+    assert registry["ld_horovod"]["strategy"] is Horovod
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Horovod.register_strategies(registry)  # registering again (a reload) replaces the pack's own entries
+    assert registry["ld_horovod"]["strategy"] is Horovod and registry["horovod"]["strategy"] is OtherHorovod
+
+
+def test_cli_lists_the_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["strategies"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0]: line.split(maxsplit=1)[1] for line in out[1:]}
+    assert listed.keys() == pack_names(StrategyRegistry).keys()
+    assert "Adasum" in listed["ld_horovod_adasum"] and "deprecated" in listed["horovod_adasum"]
+
+
+def test_cli_version_names_the_tested_versions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"lightning-dist {lightning_dist.__version__} (tested with ")
+    assert "lightning 2.6.x" in out and "torch 2.11.x, 2.13.x" in out
+
+
+def test_untested_lightning_minor_warns_naming_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert compat.check_versions(warn=False) == [], "the suite runs on a tested version"
+    monkeypatch.setattr(lightning, "__version__", "2.9.1")
+    (problem,) = compat.check_versions(warn=False)
+    assert "tested with lightning 2.6.x; this is lightning 2.9.1" in problem
+    assert "pip install 'lightning==2.6.*'" in problem
+
+
+def _private_lightning_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":
+            private_module = any(part.startswith("_") for part in (node.module or "").split("."))
+            found += [a.name for a in node.names if private_module or a.name.startswith("_")]
+    return found
+
+
+def test_private_lightning_apis_come_only_from_compat() -> None:
+    package = ROOT / "lightning_dist"
+    outside = {
+        str(p.relative_to(ROOT)): names
+        for p in package.rglob("*.py")
+        if p.name != "compat.py" and (names := _private_lightning_imports(p))
+    }
+    assert outside == {}, "import Lightning's private names through lightning_dist.compat"
+    assert set(_private_lightning_imports(package / "compat.py")) <= set(compat.__all__)
+
+
+def test_pins_match_the_tested_versions() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {d.split(">")[0].split("<")[0].split("=")[0]: d for d in project["dependencies"]}
+    assert deps["lightning"] == f"lightning>={compat.TESTED['lightning'][0]},<2.7"
+    assert deps["torch"] == f"torch>={compat.TESTED['torch'][0]}"
+    assert deps["torchmetrics"] == f"torchmetrics>={compat.TESTED['torchmetrics'][0]}"
+    assert project["requires-python"] == f">={compat.TESTED['python'][0]}"
+    assert "horovod" not in project["optional-dependencies"], "no extra that looks as if it installs Horovod"
+
+
+def test_package_metadata_and_files() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert "Typing :: Typed" in project["classifiers"] and project["urls"]
+    assert (ROOT / "lightning_dist" / "py.typed").exists()
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## {lightning_dist.__version__}" in changelog
