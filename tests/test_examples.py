@@ -94,3 +94,39 @@ def test_train_example_help_lists_every_flag_and_defaults_to_the_machine(
         "--devices 8 on a GPU box: 8 GPUs, not 8 CPU processes"
     )
     assert train.parse_args([])[0].devices == -1, "every GPU"
+
+
+def _csv_metrics(root: Path) -> dict[str, float]:
+    """The last value of each metric in the CSVLogger file under ``root``."""
+    import csv
+
+    (path,) = root.rglob("metrics.csv")
+    last: dict[str, float] = {}
+    for row in csv.DictReader(path.open()):
+        last.update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return last
+
+
+@pytest.mark.slow
+def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(tmp_path: Path) -> None:
+    base = [str(EXAMPLES / "lightning_cli.py"), "fit", "--config", str(EXAMPLES / "lightning_cli.yaml")]
+    got = {}
+    for name, extra in {"yaml": [], "flag": ["--trainer.strategy", "ld_ddp"]}.items():
+        logger = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir"]
+        run_script(
+            [*base, *extra, *logger, str(tmp_path / name), "--trainer.log_every_n_steps", "5"], timeout=200
+        )
+        got[name] = _csv_metrics(tmp_path / name)
+    assert 0.2 < got["yaml"]["comm/compression_ratio"] < 0.35, "the YAML's ld_compressed_int8"
+    assert got["flag"]["comm/compression_ratio"] == pytest.approx(1.0, abs=0.01), "--trainer.strategy ld_ddp"
+    for metrics in got.values():
+        assert metrics["val/acc"] > 0.5, "10 classes: chance is 0.1"
+
+
+@pytest.mark.slow
+def test_train_example_runs_the_embedded_workload_on_two_cpu_processes(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    run_script([str(EXAMPLES / "train.py"), "--max-steps", "6", "--json-out", str(out)], timeout=200)
+    summary = json.loads(out.read_text())
+    assert summary["run"]["strategy"] == "ld_ddp" and summary["result"]["world_size"] == 2
+    assert summary["result"]["bytes_sent_per_step"] > 0
