@@ -2,6 +2,7 @@
 
 from lightning_dist import collectives
 from lightning_dist.compat import check_versions
+from lightning_dist.launch.fork_check import trace_cuda_init
 from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum
 
 __all__ = [
@@ -17,3 +18,4 @@ __all__ = [
 __version__ = "0.2.0"
 
 check_versions()
+trace_cuda_init()  # a fork launch after CUDA's initialisation then names the call that did it

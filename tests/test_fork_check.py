@@ -150,3 +150,35 @@ def test_notebook_path_to_a_gpu_fork_launch_leaves_cuda_untouched(monkeypatch: p
     )
     trainer.fit(model)
     assert launched == ["fork"]
+
+
+def a_notebook_cell_that_touches_cuda() -> None:
+    torch.cuda.current_device()  # initialises CUDA (here, on a CPU build, it raises after the tracer ran)
+
+
+def test_fork_error_names_the_call_that_first_initialised_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_dist.launch import fork_check
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", torch.cuda._lazy_init)  # restored after the test
+    monkeypatch.setattr(fork_check, "_first_cuda_init", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU box, CUDA untouched
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert fork_check.trace_cuda_init() and fork_check.trace_cuda_init(), "installs once, then reports it"
+    assert fork_check.first_cuda_init() is None
+    with pytest.raises((AssertionError, RuntimeError)):
+        a_notebook_cell_that_touches_cuda()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError) as info:
+        check_fork_safe("fork", "DDP")
+    message = str(info.value)
+    assert "It was first initialised by this call:" in message
+    assert "a_notebook_cell_that_touches_cuda" in message and "torch.cuda.current_device()" in message
+
+
+def test_no_tracer_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_dist.launch import fork_check
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", torch.cuda._lazy_init)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    before = torch.cuda._lazy_init
+    assert fork_check.trace_cuda_init() is False and torch.cuda._lazy_init is before

@@ -7,12 +7,16 @@ cannot be forked for GPU work: the children fail with torch's "Cannot re-initial
 subprocess", raised inside each child, far from the cause. Lightning's own check
 (``_check_bad_cuda_fork``) only looks at whether the *current* process is a bad fork, so it does not
 stop the parent. ``check_fork_safe`` does, in the parent, before anything is forked.
+
+``trace_cuda_init`` (installed on ``import lightning_dist`` where CUDA is available) records the stack
+of the call that first initialises CUDA in this process, so the error can name it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+import traceback
+from typing import Any, Callable, Optional
 
 import torch
 from typing_extensions import override
@@ -22,8 +26,40 @@ from lightning_dist.compat import _MultiProcessingLauncher
 logger = logging.getLogger(__name__)
 
 
+_first_cuda_init: list[str] = []
+"""The stack of the call that first initialised CUDA in this process (``trace_cuda_init``)."""
+
+
+def trace_cuda_init() -> bool:
+    """Record where CUDA is first initialised in this process (``first_cuda_init``): wraps
+    ``torch.cuda._lazy_init``, which every CUDA entry point calls before using the device. Returns
+    whether the tracer is in place (False where CUDA is not available or already initialised)."""
+    cuda = torch.cuda
+    original: Callable[[], None] = cuda._lazy_init
+    if getattr(original, "traced_by_lightning_dist", False):
+        return True
+    if not cuda.is_available() or cuda.is_initialized():
+        return False
+
+    def traced_lazy_init() -> None:
+        if not _first_cuda_init and not cuda.is_initialized():
+            _first_cuda_init.append("".join(traceback.format_stack(limit=14)[:-1]))
+        original()
+
+    traced_lazy_init.traced_by_lightning_dist = True  # type: ignore[attr-defined]
+    cuda._lazy_init = traced_lazy_init
+    return True
+
+
+def first_cuda_init() -> Optional[str]:
+    """Where CUDA was first initialised in this process, as a stack, when ``trace_cuda_init`` saw it."""
+    return _first_cuda_init[0] if _first_cuda_init else None
+
+
 def fork_unsafe_message(start_method: str, owner: str) -> str:
-    """What ``check_fork_safe`` raises: the problem, then the fixes."""
+    """What ``check_fork_safe`` raises: the problem, the call that initialised CUDA when traced, the fixes."""
+    where = first_cuda_init()
+    seen = f" It was first initialised by this call:\n{where}" if where else ""
     return (
         f"{owner}: CUDA was initialised in this process before a fork launch (start_method="
         f"{start_method!r}); the forked ranks could not use the GPUs (CUDA cannot be re-initialised in a "
@@ -33,7 +69,7 @@ def fork_unsafe_message(start_method: str, owner: str) -> str:
         "that uses CUDA before trainer.fit (torch.cuda.device_count() and torch.cuda.is_available() are "
         "fine; let Lightning move the model to the GPUs inside the ranks); from a script, use "
         "start_method='popen' (the default outside notebooks; strategy='ld_ddp_popen') or "
-        "start_method='spawn' ('ld_ddp_spawn'), which start fresh processes."
+        "start_method='spawn' ('ld_ddp_spawn'), which start fresh processes." + seen
     )
 
 
