@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from typing_extensions import override
