@@ -154,6 +154,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS), metavar="ROW",
                    help=f"subset of rows (default all): {', '.join(ROWS)}")  # fmt: skip
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    p.add_argument("--replot", action="store_true", help="only redraw cluster.png from --out's cluster.json")
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first in each run (default 3)")
     p.add_argument(
@@ -682,9 +683,15 @@ def horovod_timeline_path(trace: str) -> str:
     return str(Path(trace).with_suffix(".horovod.json"))
 
 
+HIGHLIGHT = ("ld_ddp", "ddp", "c_int8", "c_powersgd", "torch_powersgd", "horovod_adasum", "hvd_loop_adasum")
+"""The rows the plot draws (every row is in the tables): the pack's DDP and Lightning's, two compressors
+with torch's PowerSGD hook, and Adasum with Horovod's own loop."""
+
+
 def plot(summary: dict[str, Any], models: Sequence[str], caps: Sequence[Optional[float]],
-         rows: Sequence[str], path: Path) -> Optional[str]:  # fmt: skip
-    """One panel per model: median step time against the cap, one line per row; None or why not."""
+         rows: Sequence[str], path: Path, machine: str = "") -> Optional[str]:  # fmt: skip
+    """One panel per model: each highlighted row's median step over torch DDP's at the same cap
+    (below 1: faster), against the cap; ``machine`` goes in the title. None, or why no plot."""
     try:
         import matplotlib
 
@@ -694,37 +701,52 @@ def plot(summary: dict[str, Any], models: Sequence[str], caps: Sequence[Optional
         return f"no plot: matplotlib not importable ({exc})"
     if not any(v.get("median_s", 0) > 0 for m in summary.values() for c in m.values() for v in c.values()):
         return "no plot: no run measured a step time (every run failed or was skipped)"
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 6), squeeze=False)
+    shown = [k for k in HIGHLIGHT if k in rows and k != REFERENCE] or [k for k in rows if k != REFERENCE]
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
     xs = list(range(len(caps)))
-    colors = plt.get_cmap("tab20").colors
     for ax, model in zip(axes[0], models):
-        for i, key in enumerate(rows):
-            ys = [
-                summary.get(model, {}).get(cap_label(c), {}).get(key, {}).get("median_s", float("nan"))
-                for c in caps
-            ]
-            ref = key == REFERENCE
-            ax.plot(
-                xs,
-                [y * 1e3 for y in ys],
-                "-" if ROWS[key].ours else "--",  # the pack's strategies solid, references dashed
-                marker="o",
-                color="black" if ref else colors[i % len(colors)],
-                linewidth=2.5 if ref else 1.3,
-                label=ROWS[key].label,
-            )
+        by_cap = [summary.get(model, {}).get(cap_label(c), {}) for c in caps]
+        ref = [c.get(REFERENCE, {}).get("median_s", float("nan")) for c in by_cap]
+        for i, key in enumerate(shown):
+            ys = [c.get(key, {}).get("median_s", float("nan")) / r if r else float("nan")
+                  for c, r in zip(by_cap, ref)]  # fmt: skip
+            ax.plot(xs, ys, "-" if ROWS[key].ours else "--", marker="o", color=f"C{i}",
+                    linewidth=2.2 if ROWS[key].ours else 1.4, label=ROWS[key].label)  # fmt: skip
+        ax.axhline(1.0, color="black", linewidth=1, label=f"{ROWS[REFERENCE].label} = 1")
         ax.set_xticks(xs, [cap_label(c) for c in caps])
         ax.set_yscale("log")
         ax.set_xlabel("link cap per direction")
-        ax.set_ylabel("median step time (ms)")
+        ax.set_ylabel("median step / torch DDP's (log; below 1 = faster)")
         ax.set_title(MODELS[model], fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06 + 0.025 * math.ceil(len(rows) / 3), 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    title = "Step time across 2 emulated nodes, relative to torch DDP at the same link cap"
+    fig.suptitle(f"{title}\n{machine}" if machine else title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * math.ceil((len(shown) + 1) / 4), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
+
+
+def machine_caption(header: Sequence[str]) -> str:
+    """The hardware line of a results header, for a plot title ("2-core AMD EPYC VM, no GPU, ...")."""
+    fields = [f.strip() for f in header[0].removeprefix("machine:").split("|")] if header else []
+    cpu = next((f for f in fields if "core" in f), "")
+    model = next((f for f in fields[2:] if f != cpu), "")
+    software = header[1].split(";")[0] if len(header) > 1 else ""
+    date = next((h.removeprefix("date: ").split(";")[0] for h in header if h.startswith("date:")), "")
+    return ", ".join(x for x in (f"{model} {cpu} VM, no GPU".strip(), software, "Gloo", date) if x)
+
+
+def replot(results: Path) -> Optional[str]:
+    """Redraw ``results/cluster.png`` from ``results/cluster.json`` (no run)."""
+    data = json.loads((results / "cluster.json").read_text())
+    summary = data["summary"]
+    models = [m for m in MODELS if m in summary]
+    caps = [parse_cap(c.replace(" ", "").replace("/s", "")) for c in next(iter(summary.values()))]
+    rows = [k for k in ROWS if any(k in c for m in summary.values() for c in m.values())]
+    return plot(summary, models, caps, rows, results / "cluster.png", machine_caption(data["header"]))
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -805,7 +827,7 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     (out / "cluster.json").write_text(
         json.dumps({"header": header, "summary": summary, "runs": runs}, indent=1)
     )
-    why_not = plot(summary, a.models, a.caps, a.rows, out / "cluster.png")
+    why_not = plot(summary, a.models, a.caps, a.rows, out / "cluster.png", machine_caption(header))
     print()
     print(text)
     print(
@@ -819,6 +841,10 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    if a.replot:
+        why_not = replot(Path(a.out))
+        print(why_not or f"wrote {Path(a.out) / 'cluster.png'}")
+        return 0 if why_not is None else 1
     if a.worker is not None:
         worker(a)
         return 0

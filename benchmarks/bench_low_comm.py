@@ -220,32 +220,64 @@ def table(results: dict[str, dict[str, Any]], single: dict[str, Any], where: str
     return lines
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    """Bytes per step (log) against final validation loss, one point per row."""
+def plot(results: dict[str, dict[str, Any]], path: Path, machine: str = "") -> None:
+    """Bytes per step (log) against final validation loss: one numbered point per row, the labels in
+    a legend beside the axes (so none overlap); ``machine`` goes in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row, r in results.items():
-        ax.scatter(r["bytes_per_step"], r["val_loss"], s=30)
-        ax.annotate(
-            LABELS[row],
-            (r["bytes_per_step"], r["val_loss"]),
-            fontsize=7,
-            xytext=(4, 3),
-            textcoords="offset points",
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    for n, (row, r) in enumerate(results.items(), 1):
+        label = LABELS.get(row, row)
+        marker = (
+            "*"
+            if row == "ddp"
+            else "s"
+            if "int8" in row
+            else "^"
+            if "demo" in label or "powersgd" in row
+            else "o"
         )
+        ax.scatter(r["bytes_per_step"], r["val_loss"], s=90 if marker == "*" else 40, marker=marker,
+                   color=f"C{(n - 1) % 10}", label=f"{n}  {label}", zorder=3)  # fmt: skip
+        ax.annotate(str(n), (r["bytes_per_step"], r["val_loss"]), fontsize=8, xytext=(5, 4),
+                    textcoords="offset points")  # fmt: skip
     ref = results["ddp"]["val_loss"]
     ax.axhline(ref * 1.05, color="grey", linestyle="--", linewidth=0.8, label="DDP loss + 5%")
     ax.set_xscale("log")
     ax.set_xlabel("bytes sent per optimizer step per rank (log)")
     ax.set_ylabel("validation loss after one epoch")
-    ax.set_title("Low-communication training: bytes vs loss (2 ranks, embedded workload)")
-    ax.legend(fontsize=8)
+    title = "Low-communication training: bytes vs loss (2 ranks, embedded workload)"
+    ax.set_title(f"{title}\n{machine}" if machine else title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def caption(machine_line: str, date: str = "") -> str:
+    """ "AMD EPYC 2 cores VM, no GPU, Gloo" from a ``machine: ...`` results line."""
+    fields = [f.strip() for f in machine_line.removeprefix("machine:").split("|")]
+    cpu = next((f for f in fields if "core" in f), "")
+    model = next((f for f in fields[2:] if f != cpu), "")
+    return ", ".join(x for x in (f"{model} {cpu} VM, no GPU".strip(), "Gloo", date) if x)
+
+
+def replot(results_dir: Path) -> None:
+    """Redraw ``low_comm.png`` from the table in ``low_comm.md`` (no run)."""
+    lines = (results_dir / "low_comm.md").read_text().splitlines()
+    by_label = {label: row for row, label in LABELS.items()}
+    results: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        label = cells[0]
+        if label in by_label and len(cells) > 3:
+            results[by_label[label]] = {"bytes_per_step": float(cells[1].replace(",", "")),
+                                        "val_loss": float(cells[3])}  # fmt: skip
+    plot(results, results_dir / "low_comm.png", caption(lines[0]))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -266,7 +298,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for low_comm.md and low_comm.png")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--num-nodes", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--replot", action="store_true", help="only redraw low_comm.png from --out's low_comm.md")
     a = p.parse_args(argv)
+    if a.replot:
+        replot(a.out)
+        print(f"wrote {a.out / 'low_comm.png'}")
+        return 0
     if a.worker:
         worker(a)
         return 0
@@ -312,7 +349,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines = header + table(results, single, where)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "low_comm.md").write_text("\n".join(lines) + "\n")
-    plot(results, a.out / "low_comm.png")
+    plot(results, a.out / "low_comm.png", caption(f"machine: {machine()}", time.strftime("%Y-%m-%d")))
     print("\n" + "\n".join(lines))
     print(f"\nwrote {a.out / 'low_comm.md'} and {a.out / 'low_comm.png'}")
     return 0

@@ -237,3 +237,38 @@ def test_demo_says_why_the_capped_column_is_skipped(
     assert capsys.readouterr().out == "[demo] capped-link column skipped: EmulatedCluster needs root\n"
     with pytest.raises(ValueError, match="cap_mbit=-1 must be >= 0"):
         demo.main(steps=1, cap_mbit=-1)
+
+
+def test_replot_draws_the_highlighted_rows_with_the_machine_in_the_title(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    results = Path(BENCH).parent / "results"
+    shutil.copy(results / "cluster.json", tmp_path / "cluster.json")
+    drawn: dict[str, object] = {}
+    original = bench.plot
+
+    def spy(*args: object, **kwargs: object) -> object:
+        drawn["machine"] = args[5] if len(args) > 5 else kwargs.get("machine")
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "plot", spy)
+    assert bench.replot(tmp_path) is None
+    assert (tmp_path / "cluster.png").stat().st_size > 10_000
+    assert "2 cores VM, no GPU" in str(drawn["machine"]) and "torch 2.13.0+cpu" in str(drawn["machine"])
+    assert bench.REFERENCE not in bench.HIGHLIGHT and {"ld_ddp", "ddp", "c_int8"} <= set(bench.HIGHLIGHT)
+
+
+def test_low_comm_replot_reads_the_table(tmp_path: Path) -> None:
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("bench_low_comm", Path(BENCH).parent / "bench_low_comm.py")
+    assert spec is not None and spec.loader is not None
+    low = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(BENCH).parent))
+    spec.loader.exec_module(low)
+    shutil.copy(Path(BENCH).parent / "results" / "low_comm.md", tmp_path / "low_comm.md")
+    low.replot(tmp_path)
+    assert (tmp_path / "low_comm.png").stat().st_size > 10_000
+    assert low.caption("machine: vm | Linux | AMD EPYC | 2 cores") == "AMD EPYC 2 cores VM, no GPU, Gloo"
