@@ -50,6 +50,7 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "LightningModule._current_fx_name",
     "Trainer._accelerator_connector",
     "Trainer._checkpoint_connector",
+    "_CheckpointConnector._loaded_checkpoint",  # Elastic hands Lightning the commit to restore
 )
 """Private attributes and methods of Lightning objects the strategies read or override."""
 

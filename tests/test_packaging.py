@@ -133,3 +133,27 @@ def test_package_metadata_and_files() -> None:
     assert (ROOT / "lightning_dist" / "py.typed").exists()
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## {lightning_dist.__version__}" in changelog
+
+
+def test_every_private_lightning_attribute_the_pack_uses_still_exists() -> None:
+    """compat.PRIVATE_ATTRIBUTES against the installed Lightning: fails when one of them is gone."""
+    from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+    strategy = DDPStrategy(accelerator=None)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    module = lightning.LightningModule()
+    objects = {
+        "DDPStrategy": strategy,
+        "Strategy": strategy,
+        "_MultiProcessingLauncher": compat._MultiProcessingLauncher(strategy, start_method="fork"),
+        "LightningModule": module,
+        "Trainer": trainer,
+        "_CheckpointConnector": trainer._checkpoint_connector,
+    }
+    missing = []
+    for entry in compat.PRIVATE_ATTRIBUTES:
+        owner, attribute = entry.split(".")
+        if not hasattr(objects[owner], attribute):
+            missing.append(entry)
+    assert missing == [], f"Lightning {lightning.__version__} no longer has {missing}: update lightning_dist.compat"
+    assert isinstance(strategy, Strategy)
