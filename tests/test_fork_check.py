@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
-from lightning_dist import DDP, Compressed, Elastic
+from lightning_dist import DDP, Compressed, DiLoCo, Elastic
 from lightning_dist.launch.fork_check import ForkCheckedLauncher, check_fork_safe, checked_launcher
 
 
@@ -116,7 +116,18 @@ def test_recovered_weights_are_loaded_onto_the_cpu(tmp_path: Any) -> None:
     assert not path.exists(), "the temporary weights file is removed"
 
 
-def test_notebook_path_to_a_gpu_fork_launch_leaves_cuda_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+FORKING = {
+    "DDP": lambda: DDP(start_method="fork"),
+    "Compressed": lambda: Compressed("int8", start_method="fork"),
+    "DiLoCo": lambda: DiLoCo(inner_steps=2, start_method="fork"),
+}
+"""Every strategy that Lightning launches by fork from a notebook kernel."""
+
+
+@pytest.mark.parametrize("name", sorted(FORKING))
+def test_notebook_path_to_a_gpu_fork_launch_leaves_cuda_untouched(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     """A simulated 2-GPU box: seeding, building the workload's model, the Trainer with a CommMonitor and
     ``fit`` up to the fork launch must not initialise CUDA in the kernel (the model's RNG fork used to:
     ``fork_rng()`` reads every CUDA generator, so the first notebook fit on a GPU box failed)."""
@@ -144,7 +155,7 @@ def test_notebook_path_to_a_gpu_fork_launch_leaves_cuda_untouched(monkeypatch: p
     trainer = quiet_trainer(
         accelerator="gpu",
         devices=2,
-        strategy=DDP(start_method="fork"),
+        strategy=FORKING[name](),
         max_steps=2,
         callbacks=[CommMonitor()],
     )
