@@ -155,5 +155,7 @@ def test_every_private_lightning_attribute_the_pack_uses_still_exists() -> None:
         owner, attribute = entry.split(".")
         if not hasattr(objects[owner], attribute):
             missing.append(entry)
-    assert missing == [], f"Lightning {lightning.__version__} no longer has {missing}: update lightning_dist.compat"
+    assert missing == [], (
+        f"Lightning {lightning.__version__} no longer has {missing}: update lightning_dist.compat"
+    )
     assert isinstance(strategy, Strategy)
