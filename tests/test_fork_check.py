@@ -193,3 +193,30 @@ def test_no_tracer_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     before = torch.cuda._lazy_init
     assert fork_check.trace_cuda_init() is False and torch.cuda._lazy_init is before
+
+
+def test_run_elastic_refuses_to_fork_after_cuda_init_and_leaves_cuda_untouched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch.distributed.launcher.api as launcher_api
+
+    from lightning_dist.launch import run_elastic
+
+    def no_cuda_init() -> None:
+        raise AssertionError("CUDA was initialised in the kernel")
+
+    started: list[str] = []
+    monkeypatch.setattr(
+        launcher_api,
+        "elastic_launch",
+        lambda config, fn: lambda *a: started.append(config.start_method) or {},
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_cuda_init)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert run_elastic(print, 2, start_method="fork") == {} and started == ["fork"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="run_elastic: CUDA was initialised in this process before a fork"):
+        run_elastic(print, 2, start_method="fork")
+    assert run_elastic(print, 2, start_method="spawn") == {} and started == ["fork", "spawn"]

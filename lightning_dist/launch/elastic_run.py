@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from lightning_dist.checks import check_choice, check_int
+from lightning_dist.launch.fork_check import check_fork_safe
 
 START_METHODS = ("fork", "spawn")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -38,6 +39,8 @@ def run_elastic(
     if start_method is None:
         start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     check_choice("start_method", start_method, START_METHODS)
+    # forked workers cannot use CUDA once this process initialised it: say so here, not in each worker
+    check_fork_safe(start_method, "run_elastic")
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
