@@ -5,8 +5,16 @@
 set -euo pipefail
 STATE=${LD_SLURM_DIR:-/tmp/lightning_dist_slurm}
 if [ "${1:-}" = stop ]; then
-  pkill -f "slurmctld -f $STATE" || true
-  pkill -f "slurmd -f $STATE" || true
+  # by PID, from the daemons' own pid files (SlurmctldPidFile/SlurmdPidFile below), and only when that
+  # PID is still this cluster's daemon (not a recycled one): nothing else is signalled
+  for daemon in slurmctld slurmd; do
+    pid=$(cat "$STATE/$daemon.pid" 2>/dev/null || true)
+    [[ "$pid" =~ ^[0-9]+$ ]] || continue
+    cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null || true)
+    if [ "$(cat "/proc/$pid/comm" 2>/dev/null || true)" = "$daemon" ] && [[ "$cmd" == *"-f $STATE/"* ]]; then
+      kill "$pid" 2>/dev/null || true
+    fi
+  done
   exit 0
 fi
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then

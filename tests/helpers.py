@@ -117,7 +117,7 @@ def spawned(cmd: list[str], log: Path, **env: str) -> Any:
         proc.wait()
 
 
-def run_script(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+def run_script(args: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     """Run a command (``python`` prepended when it starts with a .py path); fail with its output."""
     if args[0] == "python":
         args = [sys.executable, *args[1:]]

@@ -14,6 +14,9 @@ from helpers import child_env, run_script
 from lightning_dist.cli import main
 
 LAUNCHERS = ("mpirun", "horovodrun", "torchrun", "srun", "sbatch")
+DEMO_BUDGET = 300
+"""Seconds for `lightning-dist demo` (9 two-process trainings, about 65 s on 2 shared cores), at most
+half its test's timeout."""
 
 
 def parse_env(out: str) -> dict[str, str]:
@@ -57,7 +60,7 @@ def test_env_console_script() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(360)  # above the demo's budget
+@pytest.mark.timeout(2 * DEMO_BUDGET)
 def test_demo_prints_one_row_per_strategy() -> None:
     from lightning_dist.workload.demo import demo_runs
 
@@ -65,7 +68,7 @@ def test_demo_prints_one_row_per_strategy() -> None:
     # --cap-mbit 0: no capped-link column (as root it would train every row again across 2 emulated
     # nodes, doubling the time; tests/test_bench_cluster.py covers that column's table)
     out = run_script(
-        ["python", "-m", "lightning_dist.cli", "demo", "--steps", "4", "--cap-mbit", "0"], timeout=300
+        ["python", "-m", "lightning_dist.cli", "demo", "--steps", "4", "--cap-mbit", "0"], timeout=DEMO_BUDGET
     ).stdout
     table = [line for line in out.splitlines() if line.startswith("| ")]
     assert table[0].split("|")[1].strip() == "strategy"

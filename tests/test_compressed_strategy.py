@@ -40,8 +40,13 @@ TOLERANCE = {
 
 
 # -- 2 processes over Gloo -------------------------------------------------------------------------
+JOB_BUDGET = 200
+"""Seconds for one `job` (the module fixture's runs, or the resume runs); each test that runs one
+is marked `@pytest.mark.timeout(2 * JOB_BUDGET)`, so the budget is at most half its timeout."""
+
+
 def job(out: Path, runs: list[dict[str, Any]]) -> Path:
-    run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=200)
+    run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=JOB_BUDGET)
     return out
 
 
@@ -123,6 +128,7 @@ def l2_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_BUDGET)
 def test_none_is_bitwise_ddp(trained: Path) -> None:
     for ref, ours in (("ddp", "none"), ("ddp_acc", "none_acc"), ("ddp_adasum", "none_adasum")):
         for rank in (0, 1):
@@ -132,6 +138,7 @@ def test_none_is_bitwise_ddp(trained: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_BUDGET)
 def test_every_compressor_trains_close_to_uncompressed(trained: Path) -> None:
     ref = info(trained, "ddp")["val_loss"]
     assert ref < 0.55 * math.log(256), f"the uncompressed run must really train (val loss {ref:.3f})"
@@ -147,6 +154,7 @@ def test_every_compressor_trains_close_to_uncompressed(trained: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_BUDGET)
 def test_bytes_per_step_match_wire_model_and_ratio_is_logged(trained: Path) -> None:
     shapes = [tuple(p.shape) for p in TinyCausalLM(WorkloadConfig.tiny(seed=7)).parameters()]
     for name in ["none", *TOLERANCE]:
@@ -166,6 +174,7 @@ def test_bytes_per_step_match_wire_model_and_ratio_is_logged(trained: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_BUDGET)
 def test_mixed_precision_accumulation_adasum_and_many_buckets(trained: Path) -> None:
     initial = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
     for name, (ref, loss_bound, distance_bound) in UNCOMPRESSED.items():
@@ -194,6 +203,7 @@ def test_mixed_precision_accumulation_adasum_and_many_buckets(trained: Path) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_BUDGET)
 def test_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "epoch1.ckpt")
     base = {

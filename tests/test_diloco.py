@@ -128,6 +128,11 @@ RESUME = {"options": H4, "batches_per_epoch": 6}
 """6 optimizer steps per epoch with H=4: the end of epoch 1 is inner step 2 of the second period."""
 
 
+FIXTURE_BUDGET = 240
+"""Seconds for the `trained` fixture's runs, in the first test that asks for it: each such test is
+marked `@pytest.mark.timeout(2 * FIXTURE_BUDGET)`, so the budget is at most half its timeout."""
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("diloco")
@@ -163,12 +168,12 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "resumed", "epochs": 2, "resume": ckpt, **RESUME},
         {"name": "dropped", "epochs": 2, "resume": ckpt, "drop_diloco_state": True, **RESUME},
     ]
-    run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=240)
+    run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=FIXTURE_BUDGET)
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_h1_plain_average_is_ddp(trained: Path) -> None:
     """inner_steps=1, outer_lr=1, no momentum, inner SGD: DiLoCo is DDP (up to rounding)."""
     ddp = weights(trained, "ddp_sgd")
@@ -181,7 +186,7 @@ def test_h1_plain_average_is_ddp(trained: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_h4_adamw_matches_single_process_reference(trained: Path) -> None:
     """Each rank's AdamW steps on its own batches, averaged deltas, Nesterov outer SGD (lr 0.7, 0.9)."""
     start = initial_weights()
@@ -204,7 +209,7 @@ def test_h4_adamw_matches_single_process_reference(trained: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_resume_mid_period_is_bitwise_uninterrupted(trained: Path, tmp_path: Path) -> None:
     saved = torch.load(trained / "epoch1.ckpt", weights_only=False)["lightning_dist.diloco"]
     entry = torch.load(trained / "epoch1.ckpt.entry", weights_only=False)["lightning_dist.diloco"]
@@ -230,7 +235,7 @@ def test_resume_mid_period_is_bitwise_uninterrupted(trained: Path, tmp_path: Pat
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_resume_at_another_world_size_starts_from_the_last_sync(trained: Path) -> None:
     """A 2-rank checkpoint taken mid-period resumed by 1 rank: a warning, the model from the last-sync
     parameters (the steps since dropped), the outer momentum and sync count kept."""
@@ -246,7 +251,7 @@ def test_resume_at_another_world_size_starts_from_the_last_sync(trained: Path) -
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_bytes_per_step_are_one_h_th_of_the_exchange(trained: Path) -> None:
     shapes = [tuple(p.shape) for p in TinyCausalLM(WorkloadConfig.tiny(seed=7)).parameters()]
     numel = sum(math.prod(s) for s in shapes)
@@ -271,7 +276,7 @@ def test_bytes_per_step_are_one_h_th_of_the_exchange(trained: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_accumulation_mixed_precision_and_metrics(trained: Path) -> None:
     for name, micro_batches in (("bf16_acc", 8), ("fp16", 4)):
         got = info(trained, name)
@@ -285,7 +290,7 @@ def test_accumulation_mixed_precision_and_metrics(trained: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
 def test_float_buffers_are_averaged_at_each_sync(trained: Path) -> None:
     """Each rank adds its batches' mean token to a buffer; after the syncs every rank holds the
     ranks' average of those sums (one 4-byte all-reduce per sync)."""

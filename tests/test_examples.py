@@ -12,6 +12,9 @@ import pytest
 from helpers import ROOT, run_script
 
 EXAMPLES = ROOT / "examples"
+BUDGET = 200
+"""Seconds for one run of an example; a test of n runs is marked
+`@pytest.mark.timeout((n + 1) * BUDGET)`: each budget at most half its timeout, all of them below it."""
 
 
 def load(name: str) -> ModuleType:
@@ -50,12 +53,13 @@ def test_quickstart_defaults_fit_the_machine(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(4 * BUDGET)
 def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(tmp_path: Path) -> None:
     got = {}
     for strategy in ("ddp", "ld_ddp", "ld_compressed_int8"):
         out = tmp_path / f"{strategy}.json"
         args = ["--strategy", strategy, "--max-epochs", "2", "--root-dir", str(tmp_path / strategy)]
-        run_script([str(EXAMPLES / "quickstart.py"), *args, "--metrics-json", str(out)], timeout=200)
+        run_script([str(EXAMPLES / "quickstart.py"), *args, "--metrics-json", str(out)], timeout=BUDGET)
         got[strategy] = json.loads(out.read_text())
     assert got["ddp"]["world_size"] == got["ld_ddp"]["world_size"] == 2
     assert got["ld_ddp"]["val/loss"] == pytest.approx(got["ddp"]["val/loss"], abs=1e-6)
@@ -65,10 +69,11 @@ def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(tmp_path: Pat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_quickstart_logs_commmonitor_to_tensorboard(tmp_path: Path) -> None:
     pytest.importorskip("tensorboardX", reason="pip install tensorboardX (the dev extra has it)")
     run_script([str(EXAMPLES / "quickstart.py"), "--max-epochs", "1", "--logger", "tensorboard",
-                "--root-dir", str(tmp_path)], timeout=200)  # fmt: skip
+                "--root-dir", str(tmp_path)], timeout=BUDGET)  # fmt: skip
     events = list(tmp_path.rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard event file"
     assert any(b"comm/bytes_sent" in e.read_bytes() for e in events)
@@ -108,13 +113,14 @@ def _csv_metrics(root: Path) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * BUDGET)
 def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(tmp_path: Path) -> None:
     base = [str(EXAMPLES / "lightning_cli.py"), "fit", "--config", str(EXAMPLES / "lightning_cli.yaml")]
     got = {}
     for name, extra in {"yaml": [], "flag": ["--trainer.strategy", "ld_ddp"]}.items():
         logger = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir"]
         run_script(
-            [*base, *extra, *logger, str(tmp_path / name), "--trainer.log_every_n_steps", "5"], timeout=200
+            [*base, *extra, *logger, str(tmp_path / name), "--trainer.log_every_n_steps", "5"], timeout=BUDGET
         )
         got[name] = _csv_metrics(tmp_path / name)
     assert 0.2 < got["yaml"]["comm/compression_ratio"] < 0.35, "the YAML's ld_compressed_int8"
@@ -124,9 +130,10 @@ def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_train_example_runs_the_embedded_workload_on_two_cpu_processes(tmp_path: Path) -> None:
     out = tmp_path / "summary.json"
-    run_script([str(EXAMPLES / "train.py"), "--max-steps", "6", "--json-out", str(out)], timeout=200)
+    run_script([str(EXAMPLES / "train.py"), "--max-steps", "6", "--json-out", str(out)], timeout=BUDGET)
     summary = json.loads(out.read_text())
     assert summary["run"]["strategy"] == "ld_ddp" and summary["result"]["world_size"] == 2
     assert summary["result"]["bytes_sent_per_step"] > 0

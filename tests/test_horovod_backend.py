@@ -25,6 +25,8 @@ from lightning_dist.collectives.horovod_backend import HorovodBackend, import_ho
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "hvd_check.py"
 TIMEOUT_S = 240
+"""Seconds for one mpirun of the check script (the `mpi_results` fixture, once per np, in the first
+test that asks for it): those tests are marked `@pytest.mark.timeout(2 * TIMEOUT_S)`."""
 
 
 def _horovod_missing() -> str | None:
@@ -83,6 +85,7 @@ def mpi_results(
 
 @pytest.mark.horovod
 @pytest.mark.slow
+@pytest.mark.timeout(2 * TIMEOUT_S)
 def test_adasum_matches_horovod_mpi_adasum(mpi_results: list[dict[str, Any]]) -> None:
     for result in mpi_results:
         errs = result["adasum"]
@@ -94,6 +97,7 @@ def test_adasum_matches_horovod_mpi_adasum(mpi_results: list[dict[str, Any]]) ->
 
 @pytest.mark.horovod
 @pytest.mark.slow
+@pytest.mark.timeout(2 * TIMEOUT_S)
 def test_horovod_backend_collectives(mpi_results: list[dict[str, Any]]) -> None:
     for result in mpi_results:
         failed = [name for name, ok in result["backend"].items() if not ok]

@@ -16,15 +16,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, SCRIPTS, assert_same_weights, child_env, load_rank, run_command, run_script
+from helpers import (
+    ROOT,
+    SCRIPTS,
+    assert_same_weights,
+    child_env,
+    kill_tree,
+    load_rank,
+    run_command,
+    run_script,
+)
 
-pytestmark = pytest.mark.slow
 START = ROOT / "scripts" / "start-local-slurm.sh"
 START_BUDGET = 120
-"""Seconds to start the cluster (about 1 s here; more when it installs the packages), inside the
-first test's 300 s timeout."""
+"""Seconds to start the cluster (about 1 s here; more when it installs the packages), in the first
+test's setup."""
 BUDGET = 90
-"""Seconds for one 2-process run (a few seconds here): start + 2 runs stay below the test timeout."""
+"""Seconds for one 2-process run (a few seconds here): start + 2 runs stay below TIMEOUT."""
+JOB_BUDGET = 150
+"""Seconds for one sbatch job to finish (a few seconds of training here; a requeue adds SLURM's kill
+wait, up to KillWait=30 s, and a restart)."""
+TIMEOUT = START_BUDGET + BUDGET + JOB_BUDGET + 120
+"""Each test's timeout: the cluster's start (in whichever test runs first), a reference run, the job
+and the cleanup (scancel, the cluster's stop) stay below it, and each budget is at most half of it."""
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +115,6 @@ def test_horovod_adasum_under_srun_pmix(tmp_path: Path, slurm_conf: str) -> None
 
 
 # -- sbatch jobs written by `lightning-dist slurm` -----------------------------------------------------
-JOB_BUDGET = 150
-"""Seconds for one sbatch job to finish (a few seconds of training here; a requeue adds SLURM's kill
-wait, up to KillWait=30 s, and a restart)."""
 DONE = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -376,10 +388,18 @@ def test_a_restarted_cluster_drops_the_jobs_a_killed_run_left(tmp_path: Path, sl
     while "R" not in _squeue_states(env):
         assert time.time() < deadline, f"job {job_id} did not start: {_squeue_states(env)}"
         time.sleep(0.5)
-    for daemon in ("slurmctld", "slurmd"):  # killed as a session's end kills them: no clean shutdown
-        subprocess.run(["pkill", "-KILL", "-f", f"{daemon} -f {Path(slurm_conf).parent}"], timeout=30)
-    subprocess.run(["pkill", "-KILL", "-x", "slurmstepd"], timeout=30)
-    subprocess.run(["pkill", "-KILL", "-f", "sleep 600"], timeout=30)
+    # this job's processes (the batch shell and its `sleep 600`, then their slurmstepd, which slurmd
+    # double-forks, so it is not slurmd's descendant), found while slurmd can still list them
+    tasks: list[int] = []
+    while not any(_cmdline(p) == "sleep 600" for p in tasks):
+        assert time.time() < deadline, f"job {job_id}'s tasks did not start: {tasks}"
+        time.sleep(0.5)
+        tasks = _job_pids(env, job_id)
+    steps = {ppid for ppid in map(_ppid, tasks) if ppid and _comm(ppid) == "slurmstepd"}
+    assert steps, f"no slurmstepd above job {job_id}'s tasks {tasks}"
+    daemons = [_daemon_pid(Path(slurm_conf).parent, daemon) for daemon in ("slurmctld", "slurmd")]
+    for pid in [*daemons, *steps, *tasks]:  # killed as a session's end kills them: no clean shutdown
+        kill_tree(pid)  # only what this test's cluster and job started, by PID
     time.sleep(1)
     proc = subprocess.run(["bash", str(START)], capture_output=True, text=True, timeout=START_BUDGET)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -388,6 +408,38 @@ def test_a_restarted_cluster_drops_the_jobs_a_killed_run_left(tmp_path: Path, sl
         ["srun", "-N", "1", "--ntasks-per-node", "2", "hostname"], 30, SLURM_CONF=slurm_conf
     )
     assert hostname.returncode == 0 and len(hostname.stdout.split()) == 2, hostname.stderr[-2000:]
+
+
+def _job_pids(env: dict[str, str], job: str) -> list[int]:
+    """The PIDs of ``job``'s tasks on this node (`scontrol listpids`; [] before they start)."""
+    proc = subprocess.run(["scontrol", "listpids", job], capture_output=True, text=True, timeout=30, env=env)
+    return [int(line.split()[0]) for line in proc.stdout.splitlines() if line.split()[:1] != ["PID"]]
+
+
+def _daemon_pid(state: Path, daemon: str) -> int:
+    """``daemon``'s PID from its pid file in the cluster's ``state`` folder, checked to be that daemon
+    of this cluster (a recycled PID is not)."""
+    pid = int((state / f"{daemon}.pid").read_text())
+    assert _comm(pid) == daemon and str(state) in _cmdline(pid), f"{daemon}.pid: {pid} is not our {daemon}"
+    return pid
+
+
+def _comm(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return ""
+
+
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    return ""
+
+
+def _ppid(pid: int) -> int:
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return 0
 
 
 def _squeue_states(env: dict[str, str]) -> list[str]:

@@ -148,8 +148,12 @@ def test_no_requeue_and_options() -> None:
             r"power-of-two number of ranks, got .* = 6",
         ),
         (
-            dict(strategy="lightning_dist:Horovod(op='adasum')", nodes=1, devices=6, mpi="pmix"),
+            dict(strategy="lightning_dist:HorovodAdasum()", nodes=1, devices=6, mpi="pmix"),
             r"power-of-two number of ranks",
+        ),
+        (
+            dict(strategy="lightning_dist:Horovod(op='adasum')", nodes=1, devices=4, mpi="pmix"),
+            r"Horovod\(op='adasum'\) is not a strategy; use 'lightning_dist:HorovodAdasum\(\)'",
         ),
         (
             dict(strategy="horovod_adasum", nodes=3, devices=4, gpus_per_node=4, mpi="pmix"),

@@ -84,17 +84,51 @@ def test_names_instances_and_registry() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"op": "mean"}, r"op='mean' is not supported; accepted: 'average', 'sum', 'adasum'"),
+        ({"op": "mean"}, r"op='mean' is not supported; accepted: 'average', 'sum'$"),
         ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
         ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
         ({"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
-        ({"op": "adasum", "compression": "fp16"}, r"compression='fp16' is not supported with op='adasum'"),
-        ({"op": "adasum", "compression": "bf16"}, r"compression='bf16' is not supported with op='adasum'"),
     ],
 )
 def test_bad_horovod_arguments(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
         Horovod(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"compression": "fp16"}, r"compression='fp16' is not supported with op='adasum'"),
+        ({"compression": "bf16"}, r"compression='bf16' is not supported with op='adasum'"),
+        ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
+        ({"fusion_mb": 64}, r"HorovodAdasum got unknown option\(s\) fusion_mb; accepted: op, compression"),
+    ],
+)
+def test_bad_horovod_adasum_arguments(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ValueError, match=pattern):
+        HorovodAdasum(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"op": "adasum"}, {"op": "adasum", "compression": "fp16"}])
+def test_horovod_op_adasum_points_to_horovod_adasum(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=r"op='adasum' is not supported by Horovod .* use HorovodAdasum\(\)"):
+        Horovod(**kwargs)
+    with pytest.raises(ValueError, match=r"op='adasum'"):
+        Horovod("adasum")
+
+
+def test_horovod_strategies_are_siblings_on_one_base() -> None:
+    from lightning_dist.strategies.horovod_base import HorovodBase
+
+    adasum, average = HorovodAdasum(), Horovod()
+    assert isinstance(adasum, HorovodBase) and isinstance(average, HorovodBase)
+    assert not isinstance(adasum, Horovod) and not issubclass(Horovod, HorovodAdasum)
+    assert "__new__" not in vars(Horovod) and "__new__" not in vars(HorovodAdasum)
+    assert (adasum.op, average.op, Horovod(op="sum").op) == ("adasum", "average", "sum")
+    assert (
+        HorovodAdasum(lr_scale=2.0).lr_scale_factor() == 2.0
+        and Horovod(lr_scale=0.5).lr_scale_factor() == 0.5
+    )
 
 
 def test_compression_takes_allreduce_compressors_only() -> None:

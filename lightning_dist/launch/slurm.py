@@ -169,7 +169,7 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
         elif issubclass(cls, HorovodAdasum):
             kinds[name] = StrategyKind(name, "horovod", adasum=True)
         elif issubclass(cls, Horovod):
-            kinds[name] = StrategyKind(name, "horovod", adasum=params.get("op") == "adasum")
+            kinds[name] = StrategyKind(name, "horovod")
         elif cls is DDPStrategy or (
             issubclass(cls, DDPStrategy) and cls.__module__.startswith("lightning_dist.")
         ):
@@ -224,7 +224,11 @@ def resolve_strategy(spec: str) -> StrategyKind:
                 f"--strategy {spec!r}: start_method={kwargs['start_method']!r} starts its own processes, "
                 "but under SLURM srun starts one task per device; leave start_method at 'auto' or 'popen'"
             )
-        adasum = adasum or (class_name == "Horovod" and kwargs.get("op") == "adasum")
+        if class_name == "Horovod" and kwargs.get("op") == "adasum":
+            raise ValueError(
+                f"--strategy {spec!r}: Horovod(op='adasum') is not a strategy; use "
+                "'lightning_dist:HorovodAdasum()' (or the name ld_horovod_adasum) for Horovod's Adasum"
+            )
         return StrategyKind(spec, family, adasum)
     accepted = ", ".join(_ordered(kinds))
     raise ValueError(

@@ -1,9 +1,10 @@
-"""``Horovod`` and ``HorovodAdasum``: Lightning 2.x strategies on Horovod, through ``collectives``.
+"""``Horovod``: data-parallel training on Horovod through ``collectives``, gradients all-reduced.
 
-Processes come from horovodrun, mpirun or srun (one rank each). Gradients are reduced as they
-become ready (a post-accumulate-grad hook per parameter launches an async all-reduce, which
-Horovod fuses), and waited for before clipping and the optimizer step. ``HorovodAdasum``
-(``horovod_adasum.py``) combines optimizer updates instead.
+What it shares with ``HorovodAdasum`` (ranks and devices from Horovod, broadcast at setup, lr scaling)
+is ``HorovodBase`` (``horovod_base.py``). Gradients are reduced as they become ready (a
+post-accumulate-grad hook per parameter launches an async all-reduce, which Horovod fuses), and
+waited for before clipping and the optimizer step. ``HorovodAdasum`` (``horovod_adasum.py``), a
+sibling, combines optimizer updates instead.
 """
 
 from __future__ import annotations
@@ -13,55 +14,38 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Optional, Union
 
-import lightning as L
-import torch
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.futures import Future
 from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
-from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
-from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
-from lightning_dist.strategies.lr_scaling import scale_learning_rates
-from lightning_dist.strategies.metric_sync import route_metric_sync
-from lightning_dist.strategies.model_check import check_same_model
+from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
 from lightning_dist.strategies.options import check_choice, reject_unknown_options
 from lightning_dist.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
-HOROVOD_OPS = ("average", "sum", "adasum")
+HOROVOD_OPS = ("average", "sum")
 HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
 
 
-class Horovod(CollectiveOpsMixin, ParallelStrategy):
+class Horovod(HorovodBase):
     """Data-parallel training over Horovod (MPI or Gloo controller; NCCL on GPUs when built).
 
     Args:
-        op: ``"average"`` (default), ``"sum"`` or ``"adasum"`` (``Horovod(op="adasum")`` makes a
-            ``HorovodAdasum``: Horovod's MPI Adasum of optimizer updates).
+        op: ``"average"`` (default) or ``"sum"`` of the gradients. For Horovod's Adasum (of the
+            optimizer updates) use ``HorovodAdasum()``; ``op="adasum"`` is refused, pointing there.
         compression: ``None``/``"none"``, ``"fp16"`` or ``"bf16"`` (gradients cross the wire in half
             precision), or a ``lightning_dist.compression.Compressor`` whose ``aggregation`` is
             ``"allreduce"`` (its exchange runs at world size 1 and Horovod's all-reduce averages).
-        lr_scale: ``"auto"`` follows Horovod's guidance: average -> world size; adasum -> local size
-            on GPU (NCCL) and 1 on CPU; sum -> 1. A number overrides it; 1.0 turns scaling off.
-            The factor multiplies every optimizer param group's ``lr`` once, at setup.
+        lr_scale: ``"auto"`` follows Horovod's guidance: average -> world size; sum -> 1. A number
+            overrides it; 1.0 turns scaling off. The factor multiplies every optimizer param group's
+            ``lr`` once, at setup.
     """
 
     strategy_name = "ld_horovod"
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Horovod:
-        """``Horovod(op="adasum")`` is an alias of ``HorovodAdasum()``."""
-        op = kwargs.get("op", args[0] if args else "average")
-        if cls is Horovod and op == "adasum":
-            from lightning_dist.strategies.horovod_adasum import HorovodAdasum
-
-            return super().__new__(HorovodAdasum)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -73,152 +57,32 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         precision_plugin: Optional[Any] = None,
         **unknown: Any,
     ) -> None:
-        reject_unknown_options(
-            type(self).__name__,
-            unknown,
-            ["op", "compression", "lr_scale", "accelerator", "checkpoint_io", "precision_plugin"],
-        )
+        reject_unknown_options(type(self).__name__, unknown, HOROVOD_OPTIONS)
+        if op == "adasum":
+            raise ValueError(
+                "op='adasum' is not supported by Horovod (Horovod's Adasum combines the optimizer updates, "
+                "not the gradients); use HorovodAdasum() (strategy 'ld_horovod_adasum') instead"
+            )
         check_choice("op", op, HOROVOD_OPS)
         compressor = _horovod_compressor(compression)
-        if not (lr_scale == "auto" or (isinstance(lr_scale, (int, float)) and lr_scale > 0)):
-            raise ValueError(f"lr_scale={lr_scale!r}; accepted: 'auto' or a number > 0")
-        super().__init__(
-            accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
-        )
+        super().__init__(lr_scale, accelerator, checkpoint_io, precision_plugin)
         self.op = op
         self.compression = None if compression == "none" else compression
         self.compressor = compressor
-        self.lr_scale = lr_scale
-        self._backend: Optional[HorovodBackend] = None
         self._sync_grads = True
         self._pending: list[tuple[Tensor, Optional[Future], Optional[Exchange]]] = []
         self._hook_handles: list[Any] = []
         self._reductions: dict[int, int] = {}
         """Per parameter key: all-reduces started since the last wait (names the next one)."""
-        self.applied_lr_scale = 1.0
 
-    # -- ranks and devices -----------------------------------------------------------------------
-    @property
-    def backend(self) -> HorovodBackend:
-        if self._backend is None:
-            self._backend = HorovodBackend()
-        return self._backend
-
-    @property
+    # -- gradient hooks -----------------------------------------------------------------------------
     @override
-    def global_rank(self) -> int:
-        return self.backend.rank
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return self.backend.local_rank
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return self.backend.node_rank
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return self.backend.world_size
-
-    @property
-    def is_distributed(self) -> bool:
-        """Read by Lightning's connector for strategies outside Lightning (sampler, sync_dist)."""
-        return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        devices = self.parallel_devices or [torch.device("cpu")]
-        device = devices[self.local_rank] if self.local_rank < len(devices) else devices[0]
-        if device.type == "cuda":
-            return torch.device("cuda", self.local_rank % max(1, torch.cuda.device_count()))
-        return device
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
-
-    @override
-    def _configure_launcher(self) -> None:
-        self._launcher = None  # horovodrun / mpirun / srun start the processes
-
-    @override
-    def setup_environment(self) -> None:
-        from lightning_dist.launch.slurm_check import check_horovod_under_slurm
-
-        check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
-        collectives.use(collectives.Communicator(self.backend))
-        logger.debug(
-            "%s: rank %d of %d on %s",
-            type(self).__name__,
-            self.global_rank,
-            self.world_size,
-            self.root_device,
-        )
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
-        if self.root_device.type == "cuda":
-            torch.cuda.set_device(self.root_device)
-        super().setup_environment()
-
-    @override
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
-
-    # -- setup: checks, broadcast, lr scaling, gradient hooks ------------------------------------
-    @override
-    def setup(self, trainer: L.Trainer) -> None:
-        self._check_configuration(trainer)
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        self.model_to_device()
-        assert self.model is not None
-        check_same_model(self.model, type(self).__name__)
-        self._broadcast_module_state()
-        metrics = route_metric_sync(self.model)
-        logger.debug("%s: model broadcast from rank 0; %d torchmetrics routed", type(self).__name__, metrics)
-        if trainer.state.fn == "fit":
-            self.setup_optimizers(trainer)
-            self._scale_learning_rates()
-            self._broadcast_optimizer_state()
-            logger.debug(
-                "%s: optimizers broadcast; lr scaled by %s", type(self).__name__, self.applied_lr_scale
-            )
-            self._setup_gradient_sync()
-        self.setup_precision_plugin()
-
-    def _check_configuration(self, trainer: L.Trainer) -> None:
-        """Refuse, on every rank, what this job cannot run (before any collective)."""
-
-    def _setup_gradient_sync(self) -> None:
+    def _setup_step_sync(self) -> None:
         self._register_gradient_hooks()
 
-    def _broadcast_module_state(self) -> None:
-        assert self.model is not None
-        with torch.no_grad():
-            for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-                collectives.broadcast(tensor.data, 0)
-
-    def _broadcast_optimizer_state(self) -> None:
-        for i, optimizer in enumerate(self.optimizers):
-            state = collectives.broadcast_object(optimizer.state_dict(), 0)
-            if self.global_rank != 0:
-                self.optimizers[i].load_state_dict(state)
-
-    def lr_scale_factor(self) -> float:
-        """The factor ``lr_scale`` resolves to for this job (see the class docstring)."""
-        if self.lr_scale != "auto":
-            return float(self.lr_scale)
+    @override
+    def _auto_lr_scale(self) -> float:
         return float(self.world_size) if self.op == "average" else 1.0
-
-    def _scale_learning_rates(self) -> None:
-        self.applied_lr_scale = self.lr_scale_factor()
-        scale_learning_rates(self.optimizers, self.lr_scheduler_configs, self.applied_lr_scale)
 
     def _register_gradient_hooks(self) -> None:
         assert self.model is not None
@@ -312,7 +176,6 @@ class Horovod(CollectiveOpsMixin, ParallelStrategy):
         self._pending.clear()
         self._reductions.clear()
         super().teardown()
-        collectives.release()
 
     @classmethod
     @override

@@ -25,7 +25,8 @@ from lightning_dist import collectives
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
-from lightning_dist.strategies.horovod import Horovod
+from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
+from lightning_dist.strategies.options import reject_unknown_options
 from lightning_dist.strategies.registry import register
 from lightning_dist.warn import warn_once
 
@@ -36,7 +37,7 @@ CHECKPOINT_KEY = "lightning_dist.horovod_adasum"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's optimizer_states, for r < W]}``."""
 
 
-class HorovodAdasum(Horovod):
+class HorovodAdasum(HorovodBase):
     """Horovod's MPI Adasum of optimizer updates (launch with MPI: ``horovodrun --mpi``, ``mpirun``,
     ``srun --mpi=pmix``). ``lr_scale="auto"`` scales the learning rate by the local size on GPUs and
     leaves it on CPUs, as Horovod advises for Adasum.
@@ -54,8 +55,11 @@ class HorovodAdasum(Horovod):
         self,
         op: str = "adasum",
         compression: Union[None, str, Compressor] = None,
-        *args: Any,
-        **kwargs: Any,
+        lr_scale: Union[str, float] = "auto",
+        accelerator: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        **unknown: Any,
     ) -> None:
         """Arguments as ``Horovod``'s (``lr_scale``, ``accelerator`` ...); ``op`` must stay "adasum"
         and ``compression`` None: Adasum combines full-precision updates."""
@@ -65,7 +69,11 @@ class HorovodAdasum(Horovod):
             raise ValueError(
                 f"compression={compression!r} is not supported with op='adasum'; accepted there: None, 'none'"
             )
-        super().__init__("adasum", None, *args, **kwargs)
+        reject_unknown_options(type(self).__name__, unknown, HOROVOD_OPTIONS)
+        super().__init__(lr_scale, accelerator, checkpoint_io, precision_plugin)
+        self.op = "adasum"
+        self.compression = None
+        self.compressor = None
         self._start: dict[int, list[Tensor]] = {}
         """Per optimizer: the parameters as the last Adasum step left them (each update's origin)."""
 
@@ -80,14 +88,12 @@ class HorovodAdasum(Horovod):
         self.backend.check_all_reduce("adasum", self.root_device.type)
 
     @override
-    def _setup_gradient_sync(self) -> None:
+    def _setup_step_sync(self) -> None:
         self._start.clear()  # no gradient hooks: each rank steps on its own gradients
         logger.debug("HorovodAdasum: optimizer updates combined with Adasum after every step")
 
     @override
-    def lr_scale_factor(self) -> float:
-        if self.lr_scale != "auto":
-            return float(self.lr_scale)
+    def _auto_lr_scale(self) -> float:
         return float(self.backend.local_size) if self.root_device.type == "cuda" else 1.0
 
     @override
@@ -98,7 +104,7 @@ class HorovodAdasum(Horovod):
         start = self._start.get(id(optimizer))
         if start is None:
             start = self._start[id(optimizer)] = [p.detach().clone() for p in params]
-        result = super(Horovod, self).optimizer_step(optimizer, closure, model, **kwargs)
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
         with torch.no_grad():
             updates = [p.detach() for p in params]
             torch._foreach_sub_(updates, start)  # each parameter now holds its update
