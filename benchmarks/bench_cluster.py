@@ -730,13 +730,12 @@ def plot(summary: dict[str, Any], models: Sequence[str], caps: Sequence[Optional
 
 
 def machine_caption(header: Sequence[str]) -> str:
-    """The hardware line of a results header, for a plot title ("2-core AMD EPYC VM, no GPU, ...")."""
-    fields = [f.strip() for f in header[0].removeprefix("machine:").split("|")] if header else []
-    cpu = next((f for f in fields if "core" in f), "")
-    model = next((f for f in fields[2:] if f != cpu), "")
+    """The hardware, software and date of a results header, for a plot title."""
+    from machine_info import plot_caption
+
     software = header[1].split(";")[0] if len(header) > 1 else ""
     date = next((h.removeprefix("date: ").split(";")[0] for h in header if h.startswith("date:")), "")
-    return ", ".join(x for x in (f"{model} {cpu} VM, no GPU".strip(), software, "Gloo", date) if x)
+    return plot_caption(header[0] if header else "", software, date)
 
 
 def replot(results: Path) -> Optional[str]:

@@ -258,14 +258,6 @@ def plot(results: dict[str, dict[str, Any]], path: Path, machine: str = "") -> N
     plt.close(fig)
 
 
-def caption(machine_line: str, date: str = "") -> str:
-    """ "AMD EPYC 2 cores VM, no GPU, Gloo" from a ``machine: ...`` results line."""
-    fields = [f.strip() for f in machine_line.removeprefix("machine:").split("|")]
-    cpu = next((f for f in fields if "core" in f), "")
-    model = next((f for f in fields[2:] if f != cpu), "")
-    return ", ".join(x for x in (f"{model} {cpu} VM, no GPU".strip(), "Gloo", date) if x)
-
-
 def replot(results_dir: Path) -> None:
     """Redraw ``low_comm.png`` from the table in ``low_comm.md`` (no run)."""
     lines = (results_dir / "low_comm.md").read_text().splitlines()
@@ -277,7 +269,9 @@ def replot(results_dir: Path) -> None:
         if label in by_label and len(cells) > 3:
             results[by_label[label]] = {"bytes_per_step": float(cells[1].replace(",", "")),
                                         "val_loss": float(cells[3])}  # fmt: skip
-    plot(results, results_dir / "low_comm.png", caption(lines[0]))
+    from machine_info import plot_caption
+
+    plot(results, results_dir / "low_comm.png", plot_caption(lines[0]))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -349,7 +343,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines = header + table(results, single, where)
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "low_comm.md").write_text("\n".join(lines) + "\n")
-    plot(results, a.out / "low_comm.png", caption(f"machine: {machine()}", time.strftime("%Y-%m-%d")))
+    from machine_info import plot_caption
+
+    plot(results, a.out / "low_comm.png", plot_caption(machine(), time.strftime("%Y-%m-%d")))
     print("\n" + "\n".join(lines))
     print(f"\nwrote {a.out / 'low_comm.md'} and {a.out / 'low_comm.png'}")
     return 0

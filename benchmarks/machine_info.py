@@ -18,3 +18,12 @@ def machine() -> str:
     except OSError:
         pass
     return f"{platform.node()} | {platform.platform()} | {cpu} | {os.cpu_count()} cores"
+
+
+def plot_caption(machine_line: str, *details: str) -> str:
+    """The hardware for a plot title, from a ``machine()`` line (``machine:`` prefix allowed):
+    "AMD EPYC, 2 cores, CPU processes over Gloo" and then ``details`` (software, date), comma-joined."""
+    fields = [f.strip() for f in machine_line.removeprefix("machine:").split("|")]
+    cores = next((f for f in fields if f.endswith("cores")), "")
+    model = next((f for f in fields[2:] if f != cores), "")
+    return ", ".join(x for x in (model, cores, "CPU processes over Gloo", *details) if x)
