@@ -351,7 +351,7 @@ class ElasticMixin(_MixinBase):
         assert self.store is not None
         self._committing = True
         try:
-            trainer.save_checkpoint(self.store.path(trainer.global_step))
+            trainer.save_checkpoint(self.store.path(trainer.global_step), weights_only=False)
         finally:
             self._committing = False
 
