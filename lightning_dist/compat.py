@@ -54,9 +54,8 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "DDPStrategy._configure_launcher",  # overridden: fork check, no relaunch under torchrun/SLURM
     "DDPStrategy._process_group_backend",
     "DDPStrategy._get_process_group_backend",
-    "DDPStrategy._num_nodes",
     "DDPStrategy._start_method",
-    "DDPStrategy._timeout",
+    "DDPStrategy._timeout",  # the process group timeout: DDP's init_process_group, Elastic's store
     "Strategy._launcher",
     "_MultiProcessingLauncher._start_method",
     "LightningModule._trainer",

@@ -184,6 +184,7 @@ class ElasticMixin(_MixinBase):
         """The step of the commit this run resumed from (None: a fresh run)."""
         self._saved: dict[str, Any] = {}
         self._resume_plan: Optional[ElasticPlan] = None
+        self._elastic_num_nodes = 1  # ``num_nodes`` (DDPStrategy's own field is private)
         self._committing = False
         """Whether ``save_checkpoint`` is writing a commit (``commit``) rather than a user's checkpoint."""
         self.lr_factor = 1.0
@@ -193,7 +194,7 @@ class ElasticMixin(_MixinBase):
     @property
     @override
     def num_nodes(self) -> int:
-        return self._num_nodes
+        return self._elastic_num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
@@ -202,7 +203,7 @@ class ElasticMixin(_MixinBase):
         if TorchElasticEnvironment.detect():
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             num_nodes = max(1, int(os.environ["WORLD_SIZE"]) // max(1, local))
-        self._num_nodes = num_nodes
+        self._elastic_num_nodes = num_nodes
 
     @override
     def _process_group_kwargs(self) -> dict[str, Any]:
