@@ -1,13 +1,19 @@
 """Per-rank state in checkpoints: what differs between ranks (compressor residuals, DiLoCo's local
 weights, HorovodAdasum's optimizer moments, Elastic's RNG), gathered once and picked back per rank.
 
-    class Compressed(RankStateMixin, DDP):
-        def rank_state(self, checkpoint):                  # this rank's part (picklable, CPU tensors)
-            return {**super().rank_state(checkpoint), "compressor": ...}
-        def rank_state_entries(self, ranks, checkpoint):   # rank 0: the entries its checkpoint gets
-            return {**super()..., **COMPRESSOR_STATES.entry([r["compressor"] for r in ranks], W)}
+    STATES = RankStates("lightning_dist.x", "X", missing="the checkpoint has no X state")
 
-    own = COMPRESSOR_STATES.select(saved, rank, world_size, fallback="...")  # on load; None: fallback
+    class X(RankStateMixin, DDP):
+        def rank_state(self, checkpoint):                  # this rank's part: picklable, CPU tensors
+            return {**super().rank_state(checkpoint), "x": self.own_state()}
+
+        def rank_state_entries(self, ranks, checkpoint):   # on rank 0, from every rank's part
+            entry = STATES.entry([r["x"] for r in ranks], self.world_size)
+            return {**super().rank_state_entries(ranks, checkpoint), **entry}
+
+        def load_optimizer_state_dict(self, checkpoint):   # each rank its own, or the fallback
+            own = STATES.select(checkpoint.get(STATES.key), self.global_rank, self.world_size,
+                                fallback="X starts afresh")
 
 Saving gathers every rank's ``rank_state`` to rank 0 in one collective (``gather_objects``), however
 many strategy layers contribute (``ElasticDiLoCo``: RNG and DiLoCo's state). An entry is
