@@ -3,10 +3,15 @@
 A private name can change in any Lightning release, so every one the pack imports comes from here,
 and importing the pack under a Lightning minor version outside ``TESTED`` warns once, naming the
 tested range. The private attributes and methods the strategies read or override (which cannot be
-re-exported) are listed in ``PRIVATE_ATTRIBUTES``; tests/test_compat.py keeps both lists true.
+re-exported) are listed in ``PRIVATE_ATTRIBUTES``; where the pack reaches into the Trainer's
+internals it calls a function here, which says why no public API serves. tests/test_packaging.py
+and tests/test_compat.py keep all of it true for the installed Lightning.
 """
 
 from __future__ import annotations
+
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any
 
 import lightning
 from lightning.fabric.utilities.distributed import _init_dist_connection
@@ -14,6 +19,9 @@ from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
 
 __all__ = [
     "PRIVATE_ATTRIBUTES",
@@ -24,6 +32,11 @@ __all__ = [
     "_SubprocessScriptLauncher",
     "_init_dist_connection",
     "check_versions",
+    "checkpoint_batch_progress",
+    "disable_distributed_sampler",
+    "fit_batches_started",
+    "restore_on_fit",
+    "set_checkpoint_loader_state",
     "tested_range",
 ]
 
@@ -41,18 +54,18 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "DDPStrategy._configure_launcher",  # overridden: fork check, no relaunch under torchrun/SLURM
     "DDPStrategy._process_group_backend",
     "DDPStrategy._get_process_group_backend",
-    "DDPStrategy._num_nodes",
     "DDPStrategy._start_method",
-    "DDPStrategy._timeout",
+    "DDPStrategy._timeout",  # the process group timeout: DDP's init_process_group, Elastic's store
     "Strategy._launcher",
     "_MultiProcessingLauncher._start_method",
     "LightningModule._trainer",
     "LightningModule._current_fx_name",
-    "Trainer._accelerator_connector",
-    "Trainer._checkpoint_connector",
-    "_CheckpointConnector._loaded_checkpoint",  # Elastic hands Lightning the commit to restore
+    "Trainer._accelerator_connector.use_distributed_sampler",  # disable_distributed_sampler
+    "Trainer._checkpoint_connector._loaded_checkpoint",  # restore_on_fit
+    "Trainer.fit_loop.epoch_loop.batch_progress.current.ready",  # fit_batches_started (private classes)
 )
-"""Private attributes and methods of Lightning objects the strategies read or override."""
+"""Private attributes and methods of Lightning objects the strategies read or override, as paths from
+the object whose class is named first (``Trainer._checkpoint_connector._loaded_checkpoint``)."""
 
 
 def _minor(version: str) -> str:
@@ -82,3 +95,51 @@ def check_versions(warn: bool = True) -> list[str]:
         for message in problems:
             warn_once(message)
     return problems
+
+
+# -- the Trainer's internals Elastic needs, each where no public API serves -------------------------
+FIT_LOOP_CHECKPOINT_KEYS: tuple[tuple[str, ...], ...] = (
+    ("loops", "fit_loop", "epoch_loop.batch_progress", "current", "ready"),
+    ("loops", "fit_loop", "epoch_loop.batch_progress", "total", "ready"),
+    ("loops", "fit_loop", "state_dict", "combined_loader"),
+)
+"""Paths into a checkpoint Lightning dumps during ``fit`` that ``checkpoint_batch_progress`` and
+``set_checkpoint_loader_state`` read or write: the format of its private loop classes."""
+
+
+def disable_distributed_sampler(trainer: Trainer) -> None:
+    """``Trainer(use_distributed_sampler=False)`` for the run ahead: a strategy whose own sampler
+    shards the data (Elastic's) turns Lightning's injection off. No public API: the flag is a
+    constructor argument the user owns, and Lightning injects its DistributedSampler (rebuilding the
+    user's DataLoader) before ``Strategy.process_dataloader`` sees the loader."""
+    trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def restore_on_fit(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Have the ``fit`` being set up restore ``checkpoint`` (a loaded dict), as it restores the file
+    of ``fit(ckpt_path=...)``: model, optimizers, schedulers, loops, callbacks, through the
+    strategy's ``load_*`` hooks. Call it from ``Strategy.setup_environment``. No public API: the
+    Trainer fixes the checkpoint path before the strategy has a process group, and Elastic chooses
+    its commit after it (every rank must see the same one); with ``ckpt_path=None`` Lightning
+    restores the checkpoint already loaded, which this sets (a ``ckpt_path`` the user passes wins)."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def fit_batches_started(trainer: Trainer) -> int:
+    """Micro-batches the running ``fit`` epoch has started, the current one included and those before
+    a resume counted (Lightning's batch progress ``ready``). No public API: the loop and progress
+    classes holding it are private (``trainer.fit_loop`` is public, what it holds is not)."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def checkpoint_batch_progress(checkpoint: MutableMapping[str, Any]) -> dict[str, Any]:
+    """The fit epoch's batch progress in a checkpoint (``{"current": {...}, "total": {...}}`` of
+    ``ready``/``started``/``processed``/``completed`` counters), to edit in place."""
+    progress: dict[str, Any] = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    return progress
+
+
+def set_checkpoint_loader_state(checkpoint: MutableMapping[str, Any], states: list[Any]) -> None:
+    """Set the training DataLoaders' states (one per loader, ``DataLoader.state_dict()``) that a
+    checkpoint's fit loop hands back to them on restore."""
+    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states

@@ -19,17 +19,19 @@ from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_c
 from torch import nn
 
 from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
 from lightning_dist.strategies.horovod_adasum import CHECKPOINT_KEY, HorovodAdasum
+from lightning_dist.testing import run_in_threads
 
 # -- unit level: a stand-in backend, no processes ---------------------------------------------------
 
 
 class FakeBackend:
-    """What HorovodAdasum reads of its backend; ``broadcast_object`` from rank r returns ``sent[r]``."""
+    """What HorovodAdasum reads of its backend to load a checkpoint (no collectives)."""
 
     name = "fake"
 
-    def __init__(self, rank: int, world_size: int, sent: dict[int, Any] | None = None) -> None:
+    def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size, self.local_rank, self.node_rank, self.local_size = (
             rank,
             world_size,
@@ -37,12 +39,6 @@ class FakeBackend:
             0,
             world_size,
         )
-        self.sent = sent or {}
-        self.broadcasts: list[tuple[Any, int]] = []
-
-    def broadcast_object(self, obj: Any, src: int) -> Any:
-        self.broadcasts.append((obj, src))
-        return obj if src == self.rank else self.sent[src]
 
 
 def adamw_state(seed: int) -> dict[str, Any]:
@@ -61,7 +57,7 @@ def make_optimizer() -> torch.optim.Optimizer:
     return torch.optim.AdamW(nn.Linear(3, 2).parameters(), lr=1e-2)
 
 
-def strategy_on(backend: FakeBackend) -> HorovodAdasum:
+def strategy_on(backend: Any) -> HorovodAdasum:
     strategy = HorovodAdasum()
     strategy._backend = backend  # type: ignore[assignment]
     strategy.optimizers = [make_optimizer()]
@@ -107,19 +103,28 @@ def test_old_or_other_world_size_checkpoint_warns_and_loads_rank0_state(entry: A
     assert_state_is(strategy.optimizers[0], s0)
 
 
-def test_save_gathers_every_rank_state_on_cpu(tmp_path: Path) -> None:
-    """Rank 0 writes both ranks' states; with no transport installed (``trainer.save_checkpoint`` after
-    ``fit``'s teardown), the gather goes through the strategy's own backend."""
-    s0, s1 = adamw_state(0), adamw_state(1)
-    assert collectives.current().world_size == 1
-    backend = FakeBackend(0, 2, sent={1: [s1]})
-    strategy = strategy_on(backend)
-    path = tmp_path / "x.ckpt"
-    strategy.save_checkpoint({"optimizer_states": [s0], "state_dict": {}}, path)
-    assert [src for _, src in backend.broadcasts] == [1], "one broadcast, from rank 1"
-    saved = torch.load(path, weights_only=False)[CHECKPOINT_KEY]
+def save_on_two_ranks(tmp_path: Path, checkpoints: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Each rank's strategy (on a thread with a real Gloo group) saves ``checkpoints[rank]`` to
+    ``tmp_path/rank{r}.ckpt``; returns each rank's collective counters."""
+
+    def body(comm: Communicator) -> dict[str, float]:
+        strategy = strategy_on(comm.backend)
+        strategy.rank_state_comm = lambda: comm  # type: ignore[method-assign]  # count on this rank's stats
+        strategy.save_checkpoint(checkpoints[comm.rank], tmp_path / f"rank{comm.rank}.ckpt")
+        return {k: v for k, v in comm.stats.snapshot().items() if k.endswith(".calls") and v}
+
+    return run_in_threads(2, body)
+
+
+def test_save_gathers_every_rank_state_on_cpu_in_one_collective(tmp_path: Path) -> None:
+    """Rank 0 writes both ranks' states, gathered in one all-to-all; the other rank writes nothing."""
+    states = [adamw_state(0), adamw_state(1)]
+    calls = save_on_two_ranks(tmp_path, [{"optimizer_states": [s], "state_dict": {}} for s in states])
+    assert calls == [{"all_to_all.calls": 2}] * 2, "one all-to-all and its row-count exchange"
+    assert not (tmp_path / "rank1.ckpt").exists()
+    saved = torch.load(tmp_path / "rank0.ckpt", weights_only=False)[CHECKPOINT_KEY]
     assert saved["world_size"] == 2
-    for got, want in zip(saved["ranks"], (s0, s1), strict=True):
+    for got, want in zip(saved["ranks"], states, strict=True):
         assert [s["exp_avg"].device.type for s in got[0]["state"].values()] == ["cpu", "cpu"]
         assert all(
             torch.equal(a["exp_avg"], b["exp_avg"])
@@ -127,22 +132,16 @@ def test_save_gathers_every_rank_state_on_cpu(tmp_path: Path) -> None:
         )
 
 
-def test_save_on_other_ranks_sends_own_state_and_writes_nothing(tmp_path: Path) -> None:
-    s1 = adamw_state(1)
-    backend = FakeBackend(1, 2)
-    strategy = strategy_on(backend)
-    path = tmp_path / "x.ckpt"
-    strategy.save_checkpoint({"optimizer_states": [s1], "state_dict": {}}, path)
-    ((sent, src),) = backend.broadcasts
-    assert src == 1 and torch.equal(sent[0]["state"][0]["exp_avg"], s1["state"][0]["exp_avg"])
-    assert not path.exists()
-
-
 def test_weights_only_checkpoint_gathers_nothing(tmp_path: Path) -> None:
+    assert save_on_two_ranks(tmp_path, [{"state_dict": {}}] * 2) == [{}, {}]
+    assert CHECKPOINT_KEY not in torch.load(tmp_path / "rank0.ckpt", weights_only=False)
+
+
+def test_after_teardown_the_gather_goes_through_the_strategy_backend() -> None:
+    """``trainer.save_checkpoint`` after ``fit``: no transport installed, so the strategy's own backend."""
+    assert collectives.current().world_size == 1
     backend = FakeBackend(0, 2)
-    strategy_on(backend).save_checkpoint({"state_dict": {}}, tmp_path / "w.ckpt")
-    assert backend.broadcasts == []
-    assert CHECKPOINT_KEY not in torch.load(tmp_path / "w.ckpt", weights_only=False)
+    assert strategy_on(backend).rank_state_comm().backend is backend
 
 
 # -- 2 ranks under mpirun ---------------------------------------------------------------------------

@@ -9,7 +9,7 @@ rank; checkpoints hold every rank's copy and the bucket layout it belongs to, an
 loads its own rank's entry, so it continues as if never stopped. DDP's first backward pass uses one
 pre-rebuild bucket; a resumed run splits it into the checkpointed layout's keys. Limits: a checkpoint
 taken after the very first optimizer step (before DDP rebuilt its buckets) does not resume exactly,
-and one resumed at another world size starts the compressor afresh (with a warning).
+and one resumed at another world size merges the saved ranks' states (with a warning).
 """
 
 from __future__ import annotations
@@ -23,18 +23,21 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.compat import _PATH
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import reduce_op_name
+from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
 from lightning_dist.strategies.registry import register
 from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.compressed"
+COMPRESSOR_STATES = RankStates(CHECKPOINT_KEY, "Compressed", "the checkpoint has no compressor state")
+"""Checkpoint entry: ``{"world_size": W, "compressor": name, "ranks": [rank r's
+``compressor_checkpoint_state()``]}``."""
 COMPRESSED_REDUCE_OPS = ("avg", "adasum")
 
 
@@ -58,7 +61,7 @@ def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, A
         raise
 
 
-class Compressed(DDP):
+class Compressed(RankStateMixin, DDP):
     """Data-parallel training with compressed gradients, on Gloo or NCCL, through ``collectives``.
 
     Args:
@@ -160,39 +163,24 @@ class Compressed(DDP):
             )
         return result
 
-    # -- checkpoints --------------------------------------------------------------------------------
+    # -- checkpoints: every rank's compressor state (lightning_dist.strategies.rank_state) ---------
     def compressor_checkpoint_state(self) -> dict[str, Any]:
         """This rank's compressor state and the bucket layout its keys refer to (CPU tensors)."""
         state: CompressedHookState = self.hook_state
         layout = state.layout or state.planned or {}
         return {"state": to_cpu(self.compressor.state_dict()), "layout": dict(layout)}
 
-    def gather_per_rank(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in rank order, on every rank (called on all ranks)."""
-        return [
-            collectives.broadcast_object(obj if self.global_rank == r else None, r)
-            for r in range(self.world_size)
-        ]
-
-    def compressor_checkpoint(self, ranks: Any) -> dict[str, Any]:
-        """The checkpoint entry for every rank's ``compressor_checkpoint_state`` (in rank order)."""
-        return {
-            CHECKPOINT_KEY: {
-                "compressor": self.compressor.name,
-                "world_size": self.world_size,
-                "ranks": list(ranks),
-            }
-        }
+    @override
+    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return {**super().rank_state(checkpoint), "compressor": self.compressor_checkpoint_state()}
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
-        """Gather every rank's compressor state into the checkpoint (called on all ranks)."""
-        if "optimizer_states" in checkpoint:
-            ranks = self.gather_per_rank(self.compressor_checkpoint_state())
-            checkpoint = {**checkpoint, **self.compressor_checkpoint(ranks)}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def rank_state_entries(
+        self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        states = [r["compressor"] for r in ranks]
+        entry = COMPRESSOR_STATES.entry(states, self.world_size, compressor=self.compressor.name)
+        return {**super().rank_state_entries(ranks, checkpoint), **entry}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -200,11 +188,13 @@ class Compressed(DDP):
         self.load_compressor_state(checkpoint.get(CHECKPOINT_KEY))
 
     def load_compressor_state(self, saved: Optional[Mapping[str, Any]]) -> None:
-        """Load this rank's entry of a checkpoint's compressor states (warns and starts fresh if unusable)."""
+        """Load this rank's entry of a checkpoint's compressor states: at another world size every
+        rank gets the saved ranks' merged state, without the entry (or of another compressor) the
+        compressor starts afresh; either with a warning."""
         state: CompressedHookState = self.hook_state
         problem = None
         if saved is None:
-            problem = "the checkpoint has no compressor state"
+            problem = COMPRESSOR_STATES.missing
         elif saved.get("compressor") != self.compressor.name:
             problem = (
                 f"the checkpoint's compressor is {saved.get('compressor')!r}, not {self.compressor.name!r}"
@@ -217,18 +207,18 @@ class Compressed(DDP):
             return
         assert saved is not None
         ranks = saved["ranks"]
-        if saved.get("world_size") == self.world_size:
-            entry = ranks[self.global_rank]
-            self.compressor.load_state_dict(entry["state"])
-        else:  # another world size: every rank gets the ranks' merged state (see Compressor.merge_states)
-            entry = ranks[0]
+        fallback = (
+            f"the compressor states of its {len(ranks)} ranks are merged into one (Compressor.merge_states), "
+            "so the compressor does not continue exactly as on the saved ranks"
+        )
+        held = any(r["state"].get("keys") for r in ranks)  # merging no state drops nothing: no warning
+        own = COMPRESSOR_STATES.select(saved, self.global_rank, self.world_size, fallback, warn=held)
+        if own is not None:
+            self.compressor.load_state_dict(own["state"])
+        else:  # another world size: every rank gets the ranks' merged state
+            own = ranks[0]
             self.compressor.load_state_dict(self.compressor.merge_states([r["state"] for r in ranks]))
-            logger.info(
-                "Compressed: compressor state of %d ranks merged for world size %d",
-                len(ranks),
-                self.world_size,
-            )
-        state.planned = {int(k): [int(i) for i in v] for k, v in entry["layout"].items()} or None
+        state.planned = {int(k): [int(i) for i in v] for k, v in own["layout"].items()} or None
         state.layout = {}
 
     @classmethod

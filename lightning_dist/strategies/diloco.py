@@ -39,19 +39,21 @@ from typing_extensions import override
 from lightning_dist import collectives
 from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
 from lightning_dist.collectives.exchanges import run_exchanges
-from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
+from lightning_dist.strategies.rank_state import RankStateMixin, RankStates, gather_objects
 from lightning_dist.strategies.registry import register
-from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.diloco"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's {"state_dict", "optimizer_states",
 "compressor"}], "outer": OuterSGD.state_dict(), "inner_step": int, "syncs": int, "inner_steps": H}``."""
+DILOCO_STATES = RankStates(
+    CHECKPOINT_KEY, "DiLoCo", "the checkpoint has no DiLoCo state (saved by another strategy)"
+)
 DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 """Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
 LAUNCH_OPTIONS = (
@@ -155,7 +157,7 @@ def foreign_parameter_message(
     )
 
 
-class DiLoCo(DDP):
+class DiLoCo(RankStateMixin, DDP):
     """DiLoCo: ``inner_steps`` local optimizer steps per rank, then an averaged outer Nesterov step.
 
     Args:
@@ -330,63 +332,58 @@ class DiLoCo(DDP):
         return [t for t in out if t is not None]
 
     # -- checkpoints: every rank's model and inner optimizer state, and the outer state --------------
-    def checkpoint_entry(self, checkpoint: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
-        """``{CHECKPOINT_KEY: ...}`` on rank 0, {} on the others: every rank's weights, inner optimizer
-        and compressor state, and the outer state. Each rank's weights and optimizer states come from
-        ``checkpoint`` (the one it dumped) or, without one, from its module and optimizer. A
-        collective: every rank calls it (``save_checkpoint`` does; a commit writer could too)."""
-        assert self.outer is not None, "DiLoCo.checkpoint_entry: setup() has not run"
-        if checkpoint is None:
-            checkpoint = {
-                "state_dict": self.lightning_module_state_dict(),
-                "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
-            }
-        own = to_cpu(
+    def _own_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's weights and inner optimizer state (from ``checkpoint``) and compressor state."""
+        return to_cpu(
             {
                 "state_dict": checkpoint["state_dict"],
                 "optimizer_states": list(checkpoint["optimizer_states"]),
                 "compressor": self.compressor.state_dict(),
             }
         )
-        ranks = [own]
-        for r in range(1, self.world_size):  # rank 0 keeps at most one other rank's state at a time
-            got = collectives.broadcast_object(own if self.global_rank == r else None, r)
-            if self.is_global_zero:
-                ranks.append(got)
-        if not self.is_global_zero:
-            return {}
-        return {
-            CHECKPOINT_KEY: {
-                "world_size": self.world_size,
-                "inner_steps": self.inner_steps,
-                "inner_step": self.inner_step,
-                "syncs": self.syncs,
-                "outer": self.outer.state_dict(),
-                "ranks": ranks,
+
+    def _entry(self, ranks: list[Any]) -> dict[str, Any]:
+        assert self.outer is not None, "DiLoCo: setup() has not run"
+        return DILOCO_STATES.entry(
+            ranks,
+            self.world_size,
+            inner_steps=self.inner_steps,
+            inner_step=self.inner_step,
+            syncs=self.syncs,
+            outer=self.outer.state_dict(),
+        )
+
+    def checkpoint_entry(self, checkpoint: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+        """``{CHECKPOINT_KEY: ...}`` on rank 0, {} on the others: every rank's weights, inner optimizer
+        and compressor state, and the outer state. Each rank's weights and optimizer states come from
+        ``checkpoint`` (the one it dumped) or, without one, from its module and optimizer. A
+        collective: every rank calls it (``save_checkpoint`` gathers the same way)."""
+        assert self.outer is not None, "DiLoCo.checkpoint_entry: setup() has not run"
+        if checkpoint is None:
+            checkpoint = {
+                "state_dict": self.lightning_module_state_dict(),
+                "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
             }
-        }
+        ranks = gather_objects(self.rank_state_comm(), self._own_state(checkpoint))
+        return {} if ranks is None else self._entry(ranks)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
-        """Gather every rank's weights and inner optimizer state into the checkpoint (all ranks call it)."""
-        if "optimizer_states" in checkpoint and self.outer is not None:
-            checkpoint = {**checkpoint, **self.checkpoint_entry(checkpoint)}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        own = super().rank_state(checkpoint)
+        return own if self.outer is None else {**own, "diloco": self._own_state(checkpoint)}
 
-    def _checkpoint_problem(self, saved: Optional[Mapping[str, Any]]) -> Optional[str]:
-        if saved is None:
-            return "the checkpoint has no DiLoCo state (saved by another strategy)"
-        if saved.get("world_size") != self.world_size or len(saved.get("ranks", ())) != self.world_size:
-            return f"the checkpoint was saved at world size {saved.get('world_size')}, this run has {self.world_size}"
-        return None
+    @override
+    def rank_state_entries(
+        self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        entries = super().rank_state_entries(ranks, checkpoint)
+        return entries if self.outer is None else {**entries, **self._entry([r["diloco"] for r in ranks])}
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         saved = checkpoint.get(CHECKPOINT_KEY)
         self._restored_per_rank = False
-        if saved is not None and self._checkpoint_problem(saved) is None:
+        if saved is not None and DILOCO_STATES.problem(saved, self.world_size) is None:
             checkpoint = {**checkpoint, "state_dict": saved["ranks"][self.global_rank]["state_dict"]}
             self._restored_per_rank = True
         elif saved is not None:  # another world size: every rank starts from the last-sync parameters
@@ -400,25 +397,23 @@ class DiLoCo(DDP):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this rank's inner optimizer state and the outer state (see the module docstring)."""
         saved = checkpoint.get(CHECKPOINT_KEY)
-        problem = self._checkpoint_problem(saved)
-        if problem is None:
-            assert saved is not None
-            entry = saved["ranks"][self.global_rank]
-            checkpoint = {**checkpoint, "optimizer_states": entry["optimizer_states"]}
-            self.compressor.load_state_dict(entry["compressor"])
-        else:
-            warn_once(  # the same on every rank: shown once, by rank 0
-                f"DiLoCo: {problem}; every rank continues from the same weights with rank 0's inner "
-                "optimizer state, so the resumed run does not continue exactly as an uninterrupted one would",
-                stacklevel=2,
-            )
+        own = DILOCO_STATES.select(
+            saved,
+            self.global_rank,
+            self.world_size,
+            fallback="every rank continues from the same weights with rank 0's inner optimizer state, so the "
+            "resumed run does not continue exactly as an uninterrupted one would",
+        )
+        if own is not None:
+            checkpoint = {**checkpoint, "optimizer_states": own["optimizer_states"]}
+            self.compressor.load_state_dict(own["compressor"])
         super().load_optimizer_state_dict(checkpoint)
         outer = self.outer
         if outer is None or saved is None:
             return
         outer.load_state_dict(saved["outer"])
         self.syncs = int(saved["syncs"])
-        if problem is None:
+        if own is not None:
             self.inner_step = int(saved["inner_step"])
         else:  # the steps since the last sync are dropped: every rank restarts from the last-sync params
             outer.copy_to_model()

@@ -43,6 +43,14 @@ from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.checks import check_bool, check_choice, check_int
+from lightning_dist.compat import (
+    _PATH,
+    checkpoint_batch_progress,
+    disable_distributed_sampler,
+    fit_batches_started,
+    restore_on_fit,
+    set_checkpoint_loader_state,
+)
 from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
 from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticSampler
@@ -55,8 +63,12 @@ from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.registry import register
 from lightning_dist.warn import warn_once
 
-if TYPE_CHECKING:  # the mixin's super() calls reach DDP's methods
-    from lightning_dist.strategies.ddp import DDP as _MixinBase
+if TYPE_CHECKING:  # the mixin's super() calls reach a DDP with per-rank checkpoint state
+    from lightning_dist.strategies.ddp import DDP
+    from lightning_dist.strategies.rank_state import RankStateMixin
+
+    class _MixinBase(RankStateMixin, DDP): ...
+
 else:
     _MixinBase = object
 
@@ -132,9 +144,10 @@ def _rescale_batch_progress(progress: dict[str, Any], ready: int) -> None:
 class ElasticMixin(_MixinBase):
     """Commits, the elastic sampler and resume without ``ckpt_path``, for a ``DDP``-based strategy.
 
-    A strategy lists it first (``class Elastic(ElasticMixin, Compressed)``), calls
-    ``_init_elastic(...)`` in its ``__init__`` and may add per-rank state and entries to the commits
-    (``_commit_rank_state``, ``_commit_entries``). Options: see ``Elastic``.
+    A strategy lists it first (``class Elastic(ElasticMixin, Compressed)``) over a strategy with
+    ``RankStateMixin`` and calls ``_init_elastic(...)`` in its ``__init__``; the per-rank state that
+    strategy saves in its checkpoints (``rank_state``, ``rank_state_entries``) goes into every commit,
+    gathered in the same collective as the ranks' RNG states. Options: see ``Elastic``.
     """
 
     def _init_elastic(
@@ -171,6 +184,9 @@ class ElasticMixin(_MixinBase):
         """The step of the commit this run resumed from (None: a fresh run)."""
         self._saved: dict[str, Any] = {}
         self._resume_plan: Optional[ElasticPlan] = None
+        self._elastic_num_nodes = 1  # ``num_nodes`` (DDPStrategy's own field is private)
+        self._committing = False
+        """Whether ``save_checkpoint`` is writing a commit (``commit``) rather than a user's checkpoint."""
         self.lr_factor = 1.0
         """The factor the learning rates were multiplied by on resume (``scale_lr``)."""
 
@@ -178,7 +194,7 @@ class ElasticMixin(_MixinBase):
     @property
     @override
     def num_nodes(self) -> int:
-        return self._num_nodes
+        return self._elastic_num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
@@ -187,7 +203,7 @@ class ElasticMixin(_MixinBase):
         if TorchElasticEnvironment.detect():
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             num_nodes = max(1, int(os.environ["WORLD_SIZE"]) // max(1, local))
-        self._num_nodes = num_nodes
+        self._elastic_num_nodes = num_nodes
 
     @override
     def _process_group_kwargs(self) -> dict[str, Any]:
@@ -207,7 +223,7 @@ class ElasticMixin(_MixinBase):
     def setup_environment(self) -> None:
         super().setup_environment()
         trainer = self._trainer()
-        trainer._accelerator_connector.use_distributed_sampler = False  # our sampler shards the data
+        disable_distributed_sampler(trainer)  # the ElasticSampler shards the training data
         dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "elastic_commits")
         self.store = CommitStore(dirpath, keep=self.keep)
         self.writer = BackgroundWriter(self.store) if self.background_commits else None
@@ -233,10 +249,9 @@ class ElasticMixin(_MixinBase):
             base_world_size=saved["base_world_size"],
             on_indivisible=self.on_indivisible,
         )
-        loop = checkpoint["loops"]["fit_loop"]
         if saved["world_size"] != self.world_size:
             _rescale_batch_progress(
-                loop["epoch_loop.batch_progress"], sampler_state["step"] * plan.accumulate
+                checkpoint_batch_progress(checkpoint), sampler_state["step"] * plan.accumulate
             )
             if self.scale_lr:
                 self.lr_factor = plan.lr_scale / saved["lr_scale"]
@@ -247,8 +262,8 @@ class ElasticMixin(_MixinBase):
                 self.world_size,
                 plan,
             )
-        loop["state_dict"]["combined_loader"] = [sampler_state]
-        trainer._checkpoint_connector._loaded_checkpoint = checkpoint  # Lightning restores it next
+        set_checkpoint_loader_state(checkpoint, [sampler_state])
+        restore_on_fit(trainer, checkpoint)  # Lightning restores it as a fit(ckpt_path=...) file
         self.resumed_from = commit.step
         logger.debug("Elastic: resuming from the commit of step %d (%s)", commit.step, commit.path)
 
@@ -262,7 +277,9 @@ class ElasticMixin(_MixinBase):
 
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        trainer.callbacks.append(_CommitCallback(self))  # type: ignore[attr-defined]
+        callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, _CommitCallback) and c.strategy is self for c in callbacks):
+            callbacks.append(_CommitCallback(self))
         super().setup(trainer)
 
     @override
@@ -329,24 +346,47 @@ class ElasticMixin(_MixinBase):
 
     # -- commits -----------------------------------------------------------------------------------
     def commit(self, trainer: L.Trainer) -> None:
-        """Write a commit of the state after the current optimizer step (called on every rank)."""
-        assert self.store is not None and self.sampler is not None and self.plan is not None
-        own = {"rng": capture_rng_state(), **self._commit_rank_state()}
-        ranks = [
-            collectives.broadcast_object(own if self.global_rank == r else None, r)
-            for r in range(self.world_size)
-        ]
-        entries = self._commit_entries(ranks)  # collective: every rank calls it
-        if self.global_rank != 0:
+        """Write a commit of the state after the current optimizer step (called on every rank):
+        Lightning dumps its checkpoint (``trainer.save_checkpoint``), and ``save_checkpoint`` below
+        adds every rank's state and writes it to the commit store instead of a checkpoint file."""
+        assert self.store is not None
+        self._committing = True
+        try:
+            trainer.save_checkpoint(self.store.path(trainer.global_step), weights_only=False)
+        finally:
+            self._committing = False
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
+        """A user's checkpoint (``ModelCheckpoint``) as the base strategy saves it; a commit: every
+        rank's RNG and per-rank strategy state, gathered in one collective, into rank 0's commit."""
+        if not self._committing:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+        ranks = self.gather_rank_states(checkpoint)
+        if ranks is None:
+            return
+        checkpoint = {**checkpoint, **self.rank_state_entries(ranks, checkpoint)}
+        self._write_commit(checkpoint, [r["rng"] for r in ranks])
+
+    @override
+    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        own = super().rank_state(checkpoint)
+        return {**own, "rng": capture_rng_state()} if self._committing else own
+
+    def _write_commit(self, checkpoint: dict[str, Any], rng: list[Any]) -> None:
+        """On rank 0: the commit of the state after the current optimizer step, written (in the
+        background with ``background_commits``) with the data position and every rank's ``rng``."""
+        assert self.store is not None and self.sampler is not None and self.plan is not None
+        trainer = self._trainer()
         checkpoint.pop("hyper_parameters", None)  # not needed to resume; may hold arbitrary objects
         checkpoint.pop("hparams_name", None)
         # micro-batches done in this epoch, counting those before a resume: Lightning restores them
-        steps_done = trainer.fit_loop.epoch_loop.batch_progress.current.ready // self.plan.accumulate
+        steps_done = fit_batches_started(trainer) // self.plan.accumulate
         sampler_state = self.sampler.state_dict(step=steps_done)
-        checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = [sampler_state]
-        checkpoint.update(entries)
+        set_checkpoint_loader_state(checkpoint, [sampler_state])
         checkpoint[ELASTIC_KEY] = {
             "sampler": sampler_state,
             "global_batch": self.plan.global_batch,
@@ -354,7 +394,7 @@ class ElasticMixin(_MixinBase):
             "micro_batch": self.plan.micro_batch,
             "lr_scale": self.plan.lr_scale,
             "world_size": self.world_size,
-            "rng": [r["rng"] for r in ranks],
+            "rng": rng,
         }
         if self.writer is not None:
             self.writer.submit(trainer.global_step, checkpoint)
@@ -369,15 +409,6 @@ class ElasticMixin(_MixinBase):
             writer, self.writer = self.writer, None
             writer.close()  # the last commit is on disk before the process may exit
         super().teardown()
-
-    def _commit_rank_state(self) -> dict[str, Any]:
-        """This rank's state a commit keeps besides its RNG (picklable; gathered in rank order)."""
-        return {}
-
-    def _commit_entries(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        """Entries added to rank 0's commit, from every rank's ``_commit_rank_state`` (``ranks``).
-        Called on every rank, so it may be a collective; only rank 0's result is written."""
-        return {}
 
 
 class Elastic(ElasticMixin, Compressed):
@@ -427,14 +458,6 @@ class Elastic(ElasticMixin, Compressed):
     def _accepted_options(cls) -> list[str]:
         own = [*ELASTIC_OPTIONS[:3], "compression", *ELASTIC_OPTIONS[3:]]
         return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
-
-    @override
-    def _commit_rank_state(self) -> dict[str, Any]:
-        return {"compressor": self.compressor_checkpoint_state()}
-
-    @override
-    def _commit_entries(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.compressor_checkpoint(r["compressor"] for r in ranks)
 
     @classmethod
     @override
@@ -488,10 +511,6 @@ class ElasticDiLoCo(ElasticMixin, DiLoCo):
     @override
     def _accepted_options(cls) -> list[str]:
         return [*ELASTIC_OPTIONS, *DiLoCo._accepted_options()]
-
-    @override
-    def _commit_entries(self, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.checkpoint_entry()  # collective; {} on the ranks other than 0
 
     @classmethod
     @override

@@ -22,22 +22,26 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
 from lightning_dist.strategies.options import reject_unknown_options
+from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
 from lightning_dist.strategies.registry import register
-from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
 ADASUM_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 CHECKPOINT_KEY = "lightning_dist.horovod_adasum"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's optimizer_states, for r < W]}``."""
+OPTIMIZER_STATES = RankStates(
+    CHECKPOINT_KEY,
+    "HorovodAdasum",
+    "the checkpoint has no per-rank optimizer states (saved by an older version or another strategy)",
+)
 
 
-class HorovodAdasum(HorovodBase):
+class HorovodAdasum(RankStateMixin, HorovodBase):
     """Horovod's MPI Adasum of optimizer updates (launch with MPI: ``horovodrun --mpi``, ``mpirun``,
     ``srun --mpi=pmix``). ``lr_scale="auto"`` scales the learning rate by the local size on GPUs and
     leaves it on CPUs, as Horovod advises for Adasum.
@@ -118,56 +122,40 @@ class HorovodAdasum(HorovodBase):
         super().load_model_state_dict(checkpoint, strict=strict)
         self._start.clear()
 
-    # -- checkpoints: every rank's optimizer state ----------------------------------------------------
+    # -- checkpoints: every rank's optimizer state (lightning_dist.strategies.rank_state) ------------
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
-    ) -> None:
-        """Gather every rank's optimizer states into the checkpoint (called on all ranks)."""
-        if "optimizer_states" in checkpoint:
-            ranks = self.gather_optimizer_states(checkpoint["optimizer_states"])
-            if self.is_global_zero:
-                checkpoint = {**checkpoint, CHECKPOINT_KEY: {"world_size": self.world_size, "ranks": ranks}}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def gather_optimizer_states(self, states: list[Any]) -> list[Any]:
-        """On rank 0: every rank's ``states`` (on CPU), in rank order; on the others: [] (all ranks call it).
-
-        One object broadcast per rank after rank 0; a rank keeps at most one other rank's states at a time."""
+    def rank_state_comm(self) -> collectives.Communicator:
         comm = collectives.current()
         if comm.world_size != self.world_size:
             # ``trainer.save_checkpoint`` after ``fit``: teardown uninstalled this strategy's transport
             comm = collectives.Communicator(self.backend)
-        own = to_cpu(list(states))
-        ranks = [own]
-        for r in range(1, self.world_size):
-            got = comm.broadcast_object(own if self.global_rank == r else None, r)
-            if self.is_global_zero:
-                ranks.append(got)
-        return ranks if self.is_global_zero else []
+        return comm
+
+    @override
+    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        own = to_cpu(list(checkpoint["optimizer_states"]))
+        return {**super().rank_state(checkpoint), "optimizer_states": own}
+
+    @override
+    def rank_state_entries(
+        self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        entry = OPTIMIZER_STATES.entry([r["optimizer_states"] for r in ranks], self.world_size)
+        return {**super().rank_state_entries(ranks, checkpoint), **entry}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this rank's own optimizer states (rank 0's, with a warning, when the checkpoint has none
         for this world size)."""
-        saved = checkpoint.get(CHECKPOINT_KEY)
-        problem = None
-        if saved is None:
-            problem = "the checkpoint has no per-rank optimizer states (saved by an older version or another strategy)"
-        elif saved.get("world_size") != self.world_size or len(saved.get("ranks", ())) != self.world_size:
-            problem = (
-                f"the checkpoint was saved at world size {saved.get('world_size')}, "
-                f"this run has {self.world_size}"
-            )
-        if problem is None:
-            assert saved is not None
-            checkpoint = {**checkpoint, "optimizer_states": saved["ranks"][self.global_rank]}
-        else:
-            warn_once(  # the same on every rank: shown once, by rank 0
-                f"HorovodAdasum: {problem}; every rank loads rank 0's optimizer state, so the resumed run "
-                "does not continue exactly as an uninterrupted one would",
-                stacklevel=2,
-            )
+        own = OPTIMIZER_STATES.select(
+            checkpoint.get(CHECKPOINT_KEY),
+            self.global_rank,
+            self.world_size,
+            fallback="every rank loads rank 0's optimizer state, so the resumed run does not continue "
+            "exactly as an uninterrupted one would",
+        )
+        if own is not None:
+            checkpoint = {**checkpoint, "optimizer_states": own}
         super().load_optimizer_state_dict(checkpoint)
 
     @override
