@@ -2,7 +2,7 @@
 
 from lightning_dist import collectives
 from lightning_dist.compat import check_versions
-from lightning_dist.launch.fork_check import trace_cuda_init
+from lightning_dist.fork_safety import trace_cuda_init
 from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum
 
 __all__ = [

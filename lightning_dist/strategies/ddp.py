@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.compat import _IS_INTERACTIVE, _init_dist_connection, _SubprocessScriptLauncher
-from lightning_dist.launch.fork_check import checked_launcher
+from lightning_dist.strategies.fork_launcher import checked_launcher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
 from lightning_dist.strategies.model_check import check_same_model
@@ -151,7 +151,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.launch.slurm_check import check_ddp_under_slurm
+        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
 
         check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         super().setup_environment()

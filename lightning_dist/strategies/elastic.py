@@ -47,7 +47,7 @@ from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
 from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
-from lightning_dist.launch.torchelastic import attempt_store
+from lightning_dist.elastic.rendezvous import attempt_store
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
 from lightning_dist.strategies.lr_scaling import scale_learning_rates

@@ -112,7 +112,7 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.launch.slurm_check import check_horovod_under_slurm
+        from lightning_dist.strategies.slurm_check import check_horovod_under_slurm
 
         check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
         collectives.use(collectives.Communicator(self.backend))
