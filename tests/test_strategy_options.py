@@ -84,7 +84,11 @@ def test_names_instances_and_registry() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"op": "mean"}, r"op='mean' is not supported; accepted: 'average', 'sum'$"),
+        (
+            {"op": "median"},
+            r"op='median' is not supported; accepted: 'avg', 'sum' \(also 'mean' or 'average' for 'avg'; "
+            r"'add' for 'sum'; torch.distributed.ReduceOp.AVG/SUM\)$",
+        ),
         ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
         ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
         ({"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
@@ -115,6 +119,28 @@ def test_horovod_op_adasum_points_to_horovod_adasum(kwargs: dict) -> None:
         Horovod(**kwargs)
     with pytest.raises(ValueError, match=r"op='adasum'"):
         Horovod("adasum")
+
+
+def test_one_op_vocabulary_for_ddp_and_horovod() -> None:
+    """Every spelling of an op (collectives.ops) means the same op for DDP, Compressed and Horovod."""
+    from torch.distributed import ReduceOp
+
+    for average in ("avg", "average", "mean", "AVG", "Mean", ReduceOp.AVG, None):
+        assert (
+            DDP(reduce_op=average).reduce_op == "avg"
+            and Compressed("fp16", reduce_op=average).reduce_op == "avg"
+        )
+        if average is not None:
+            assert Horovod(op=average).op == "average", "Horovod keeps its own word for it"
+    for total in ("sum", "add", "SUM", ReduceOp.SUM):
+        assert DDP(reduce_op=total).reduce_op == "sum" and Horovod(op=total).op == "sum"
+    assert DDP(reduce_op="Adasum").reduce_op == "adasum" and HorovodAdasum(op="ADASUM").op == "adasum"
+    with pytest.raises(ValueError, match=r"op='Adasum' is not supported by Horovod .* use HorovodAdasum\(\)"):
+        Horovod(op="Adasum")
+    with pytest.raises(
+        ValueError, match=r"reduce_op=<RedOpType.MAX: 4> is not supported; accepted: 'avg', 'sum'"
+    ):
+        DDP(reduce_op=ReduceOp.MAX)
 
 
 def test_horovod_strategies_are_siblings_on_one_base() -> None:

@@ -37,14 +37,19 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
-from lightning_dist.strategies.registry import register
+from lightning_dist.strategies.options import (
+    DILOCO_COMPRESSIONS,
+    DiLoCoOptions,
+    LaunchOptions,
+    option_names,
+    reject_unknown_options,
+)
 from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -52,18 +57,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KEY = "lightning_dist.diloco"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's {"state_dict", "optimizer_states",
 "compressor"}], "outer": OuterSGD.state_dict(), "inner_step": int, "syncs": int, "inner_steps": H}``."""
-DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
-"""Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
-LAUNCH_OPTIONS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
-    "start_method",
-)
 
 
 def build_diloco_compressor(compression: Union[None, str, Compressor]) -> Compressor:
@@ -191,13 +184,14 @@ class DiLoCo(DDP):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
-        check_int("inner_steps", inner_steps, 1)
-        check_positive("outer_lr", outer_lr)
-        check_number("outer_momentum", outer_momentum, 0, 1)
-        if outer_momentum == 1:
-            raise ValueError(f"outer_momentum={outer_momentum!r} must be in [0, 1)")
-        check_bool("nesterov", nesterov)
-        check_bool("sync_buffers", sync_buffers)
+        DiLoCoOptions(  # checks them
+            inner_steps=inner_steps,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            compression=compression,
+            sync_buffers=sync_buffers,
+        )
         self.compressor = build_diloco_compressor(compression)
         super().__init__(
             accelerator=accelerator,
@@ -228,15 +222,7 @@ class DiLoCo(DDP):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        return [
-            "inner_steps",
-            "outer_lr",
-            "outer_momentum",
-            "nesterov",
-            "compression",
-            "sync_buffers",
-            *LAUNCH_OPTIONS,
-        ]
+        return option_names(DiLoCoOptions, LaunchOptions)
 
     # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
     @override
@@ -433,24 +419,4 @@ class DiLoCo(DDP):
                 self.inner_step,
                 self.inner_steps,
                 saved.get("inner_steps"),
-            )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(
-            strategy_registry,
-            "ld_diloco",
-            cls,
-            "DiLoCo: local steps, then an outer Nesterov step on the averaged change",
-            deprecated="diloco",
-        )
-        for name in DILOCO_COMPRESSIONS[1:]:
-            register(
-                strategy_registry,
-                f"ld_diloco_{name}",
-                cls,
-                f"DiLoCo with {name} pseudo-gradients on the wire",
-                deprecated=f"diloco_{name}",
-                compression=name,
             )

@@ -16,9 +16,9 @@ to the veth subnet): ``cluster.command(argv)``, or the ``STATE/on-n1`` wrapper t
         subprocess.run(cluster.command(["srun", "-N2", "--ntasks-per-node=1", "hostname"]),
                        env=cluster.env())
 
-    python -m lightning_dist.launch.slurm_nodes up      # prints SLURM_CONF=...; leaves it running
+    python -m lightning_dist.cluster.slurm_nodes up      # prints SLURM_CONF=...; leaves it running
     /tmp/ld_slurm_nodes/on-n1 srun -N2 --ntasks-per-node=1 printenv SLURMD_NODENAME
-    python -m lightning_dist.launch.slurm_nodes down
+    python -m lightning_dist.cluster.slurm_nodes down
 
 Its config, state, ports (6917/6918) and cluster name are its own, so it can run next to the one-node
 cluster of ``scripts/start-local-slurm.sh``.
@@ -41,8 +41,8 @@ from types import TracebackType
 from typing import Optional
 
 from lightning_dist.checks import check_int
-from lightning_dist.launch import netns
-from lightning_dist.launch.netns import ClusterUnavailable, EmulatedCluster
+from lightning_dist.cluster import netns
+from lightning_dist.cluster.netns import ClusterUnavailable, EmulatedCluster
 
 DEFAULT_STATE = "/tmp/ld_slurm_nodes"
 """Not under ``/tmp/lightning_dist_slurm``: start-local-slurm.sh finds its daemons by that prefix."""
@@ -291,7 +291,7 @@ def remove(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_dist.launch.slurm_nodes",
+        prog="python -m lightning_dist.cluster.slurm_nodes",
         description="A SLURM cluster of N nodes on this machine: one slurmd per network namespace (root).",
     )
     sub = parser.add_subparsers(dest="action", required=True)
@@ -313,7 +313,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"clients run on n1: {cluster.state_dir}/on-n1 srun -N{a.nodes} --ntasks-per-node=1 hostname",
         file=sys.stderr,
     )
-    print(f"stop with: python -m lightning_dist.launch.slurm_nodes down --prefix {a.prefix}", file=sys.stderr)
+    print(
+        f"stop with: python -m lightning_dist.cluster.slurm_nodes down --prefix {a.prefix}", file=sys.stderr
+    )
     print(f"SLURM_CONF={cluster.conf}")
     return 0
 

@@ -11,9 +11,9 @@ cluster with an automatic prefix whose process is gone.
         cluster.run_each([sys.executable, "train.py"], timeout=300)    # NODE_RANK, MASTER_ADDR ... set
         cluster.popen(0, ["mpirun", "-np", "2", *cluster.mpirun_args(), sys.executable, "hvd_train.py"])
 
-    python -m lightning_dist.launch.netns run --nodes 2 --rate-mbit 100 -- python train.py
-    python -m lightning_dist.launch.netns run --mpirun 2 -- python hvd_train.py
-    python -m lightning_dist.launch.netns up --prefix demo --rate-mbit 1000   # then: down --prefix demo
+    python -m lightning_dist.cluster.netns run --nodes 2 --rate-mbit 100 -- python train.py
+    python -m lightning_dist.cluster.netns run --mpirun 2 -- python hvd_train.py
+    python -m lightning_dist.cluster.netns up --prefix demo --rate-mbit 1000   # then: down --prefix demo
 """
 
 from __future__ import annotations
@@ -357,7 +357,7 @@ class EmulatedCluster:
         if errors:
             raise RuntimeError(
                 f"{self!r}.down() left namespaces behind: {'; '.join(errors)}; remove them (as root) with "
-                f"`python -m lightning_dist.launch.netns down --prefix {self.prefix}`"
+                f"`python -m lightning_dist.cluster.netns down --prefix {self.prefix}`"
             )
 
     def __enter__(self) -> EmulatedCluster:
@@ -532,7 +532,7 @@ def _kill(proc: subprocess.Popen[Any]) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_dist.launch.netns",
+        prog="python -m lightning_dist.cluster.netns",
         description="Emulated multi-node cluster: network namespaces joined by veth links (root, iproute2).",
     )
     sub = parser.add_subparsers(dest="action", required=True)
@@ -571,7 +571,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             env = " ".join(f"{k}={v}" for k, v in node.env(cluster.master_port).items())
             print(f"node{node.rank}: ip netns exec {node.namespace}  ({env})")
         print("mpirun (inside node0):", shlex.join(cluster.mpirun_args()))
-        print(f"remove with: python -m lightning_dist.launch.netns down --prefix {cluster.prefix}")
+        print(f"remove with: python -m lightning_dist.cluster.netns down --prefix {cluster.prefix}")
         return 0
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
