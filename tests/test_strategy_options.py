@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dist import DDP, Compressed, Horovod, HorovodAdasum
+from lightning_dist import DDP, Compressed, Elastic, Horovod, HorovodAdasum
 from lightning_dist.compression import COMPRESSORS, PowerSGD
 
 
@@ -143,6 +143,37 @@ def test_one_op_vocabulary_for_ddp_and_horovod() -> None:
         DDP(reduce_op=ReduceOp.MAX)
 
 
+def test_each_constructor_takes_its_option_dataclasses_fields_with_their_defaults() -> None:
+    """The option dataclasses (strategies/options.py) and the constructors' keyword arguments (what
+    IDEs and LightningCLI read) name the same options with the same defaults."""
+    import dataclasses
+    import inspect
+
+    from lightning_dist import DiLoCo
+    from lightning_dist.strategies import options
+
+    def params(init: Any) -> dict[str, Any]:
+        return {
+            n: p.default
+            for n, p in inspect.signature(init).parameters.items()
+            if n not in ("self", "unknown")
+        }
+
+    def defaults(*groups: type) -> dict[str, Any]:
+        return {f.name: f.default for g in groups for f in dataclasses.fields(g)}
+
+    assert params(DDP.__init__) == defaults(options.LaunchOptions, options.DDPOptions)
+    assert list(params(DDP.__init__)) == DDP._accepted_options()
+    assert params(DiLoCo.__init__) == defaults(options.DiLoCoOptions, options.LaunchOptions)
+    assert list(params(DiLoCo.__init__)) == DiLoCo._accepted_options()
+    assert params(Horovod.__init__) == defaults(options.HorovodOptions)
+    assert params(HorovodAdasum.__init__) == {**defaults(options.HorovodOptions), "op": "adasum"}
+    elastic = inspect.signature(Elastic._init_elastic).parameters
+    assert [n for n in elastic if n != "self"] == [f.name for f in dataclasses.fields(options.ElasticOptions)]
+    for name, field in defaults(options.ElasticOptions).items():
+        assert inspect.signature(Elastic.__init__).parameters[name].default == field, name
+
+
 def test_horovod_strategies_are_siblings_on_one_base() -> None:
     from lightning_dist.strategies.horovod_base import HorovodBase
 
@@ -215,15 +246,11 @@ def test_collectives_refuse_a_process_group_they_cannot_honour(method: str) -> N
     ],
 )
 def test_bad_elastic_arguments(kwargs: dict[str, Any], pattern: str) -> None:
-    from lightning_dist import Elastic
-
     with pytest.raises(ValueError, match=pattern):
         Elastic(**kwargs)
 
 
 def test_elastic_defaults_and_registered_name() -> None:
-    from lightning_dist import Elastic
-
     strategy = Elastic()
     assert strategy.compressor.name == "none" and strategy.nonfinite is not None, (
         "skip_nonfinite on by default"

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, Optional, Union
 
+from typing_extensions import Self, override
+
 from lightning_dist.checks import check_int, check_number
 
 DEFAULT_SUBNET = "10.77.0.0/24"
@@ -196,7 +198,28 @@ conn.close()
 """
 
 
-class EmulatedCluster:
+class UpDown:
+    """``with thing:`` is ``thing.up()`` ... ``thing.down()``, the latter on errors too."""
+
+    def up(self) -> Self:
+        raise NotImplementedError
+
+    def down(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.up()
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.down()
+
+
+class EmulatedCluster(UpDown):
     """``nodes`` network namespaces joined by veth links, each link optionally capped at
     ``rate_mbit`` Mbit/s in each direction (``tc tbf``, ``burst``/``latency`` as given).
 
@@ -261,7 +284,8 @@ class EmulatedCluster:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def up(self) -> EmulatedCluster:
+    @override
+    def up(self) -> Self:
         """Create the namespaces, links, addresses, caps and the mpirun agent; on any failure
         everything created so far is removed before the error propagates."""
         if self.is_up:
@@ -336,6 +360,7 @@ class EmulatedCluster:
             fh.write(script)
         os.chmod(self.agent, stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
 
+    @override
     def down(self) -> None:
         """Kill every process of the cluster and remove its namespaces and agent; idempotent."""
         errors: list[str] = []
@@ -359,17 +384,6 @@ class EmulatedCluster:
                 f"{self!r}.down() left namespaces behind: {'; '.join(errors)}; remove them (as root) with "
                 f"`python -m lightning_dist.cluster.netns down --prefix {self.prefix}`"
             )
-
-    def __enter__(self) -> EmulatedCluster:
-        return self.up()
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.down()
 
     # --- running things ----------------------------------------------------------------------
 

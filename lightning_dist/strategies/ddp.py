@@ -26,7 +26,13 @@ from lightning_dist.strategies.fork_launcher import checked_launcher
 from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
-from lightning_dist.strategies.options import DDPOptions, LaunchOptions, option_names, reject_unknown_options
+from lightning_dist.strategies.options import (
+    DDPOptions,
+    LaunchOptions,
+    option_names,
+    options_from,
+    reject_unknown_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,24 +94,8 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
-        launch = LaunchOptions(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-        )
-        options = DDPOptions(
-            reduce_op=reduce_op,
-            bucket_cap_mb=bucket_cap_mb,
-            static_graph=static_graph,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            skip_nonfinite=skip_nonfinite,
-        )
+        launch = options_from(LaunchOptions, locals())  # checks them
+        options = options_from(DDPOptions, locals())
         if launch.start_method == "auto":
             launch.start_method = "fork" if _IS_INTERACTIVE else "popen"
         super().__init__(**launch.as_kwargs(), **options.distributed_kwargs())

@@ -48,6 +48,7 @@ from lightning_dist.strategies.options import (
     DiLoCoOptions,
     LaunchOptions,
     option_names,
+    options_from,
     reject_unknown_options,
 )
 from lightning_dist.warn import warn_once
@@ -184,14 +185,7 @@ class DiLoCo(DDP):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
-        DiLoCoOptions(  # checks them
-            inner_steps=inner_steps,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            nesterov=nesterov,
-            compression=compression,
-            sync_buffers=sync_buffers,
-        )
+        options_from(DiLoCoOptions, locals())  # checks them
         self.compressor = build_diloco_compressor(compression)
         super().__init__(
             accelerator=accelerator,

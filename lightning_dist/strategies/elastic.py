@@ -51,7 +51,7 @@ from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
 from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.model_check import check_same_model
-from lightning_dist.strategies.options import ElasticOptions, option_names
+from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.warn import warn_once
 
 if TYPE_CHECKING:  # the mixin's super() calls reach DDP's methods
@@ -139,15 +139,7 @@ class ElasticMixin(_MixinBase):
         background_commits: bool,
     ) -> None:
         """Check the elastic options (ValueError naming the bad one) and set the elastic state."""
-        ElasticOptions(  # checks them
-            commit_every=commit_every,
-            keep=keep,
-            dirpath=dirpath,
-            seed=seed,
-            on_indivisible=on_indivisible,
-            scale_lr=scale_lr,
-            background_commits=background_commits,
-        )
+        options_from(ElasticOptions, locals())  # checks them
         self.commit_every = commit_every
         self.keep = keep
         self.dirpath = dirpath

@@ -3,8 +3,9 @@ whose fields are the options (default and docstring each) and whose ``__post_ini
 raising a ``ValueError`` that names the argument and what is accepted.
 
 A strategy's constructor keeps its explicit keyword arguments (what IDEs and LightningCLI read),
-builds the groups it takes from them, and accepts exactly their fields: ``option_names`` lists them
-and ``reject_unknown_options`` refuses anything else, naming every accepted one. Reduction ops have
+builds the groups it takes from them (``options_from(DDPOptions, locals())``), and accepts exactly
+their fields: ``option_names`` lists them and ``reject_unknown_options`` refuses anything else,
+naming every accepted one. Reduction ops have
 one vocabulary, ``lightning_dist.collectives.ops`` (``"avg"``/``"mean"``/``"average"``,
 ``"sum"``/``"add"``, torch's ``ReduceOp``, ``"adasum"``). No Lightning import here: the package root
 reads the vocabularies below to register the strategy names before Lightning is loaded.
@@ -13,10 +14,10 @@ reads the vocabularies below to register the strategy names before Lightning is 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypeVar, Union
 
 from torch.distributed.constants import default_pg_timeout
 
@@ -50,6 +51,7 @@ __all__ = [
     "normalize_op",
     "op_name",
     "option_names",
+    "options_from",
     "reject_unknown_options",
 ]
 
@@ -64,6 +66,14 @@ HOROVOD_OPS = ("avg", "sum")
 HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
 DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 """Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
+
+T = TypeVar("T")
+
+
+def options_from(group: type[T], arguments: Mapping[str, Any]) -> T:
+    """``group`` built (and so checked) from the same-named entries of ``arguments``, a constructor's
+    ``locals()``: the options are named once, as the dataclass's fields."""
+    return group(**{f.name: arguments[f.name] for f in fields(group)})  # type: ignore[arg-type]
 
 
 def option_names(*groups: type, without: Iterable[str] = ()) -> list[str]:
