@@ -5,7 +5,7 @@
     sudo python benchmarks/bench_cluster.py --steps 3 --rounds 1 --caps none 100mbit --rows ddp torch_ddp  # ~1 min
     sudo python benchmarks/bench_cluster.py --models mlp --caps 1gbit 100mbit --rows torch_ddp ld_ddp c_powersgd
 
-Root only (it builds network namespaces: ``lightning_dist.launch.netns.EmulatedCluster``, two nodes
+Root only (it builds network namespaces: ``lightning_dist.cluster.netns.EmulatedCluster``, two nodes
 joined by one veth pair, ``tc tbf`` on both ends for a cap). Per cap one cluster is built; inside it
 each round runs every (model, row) once, rows in an order rotated each round, so a shared machine's
 noise spreads over all rows. Every run is one fresh process per node (1 thread each): Gloo rows via
@@ -755,7 +755,7 @@ def command_line(argv: Sequence[str]) -> str:
 def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from machine_info import machine
 
-    from lightning_dist.launch import netns
+    from lightning_dist.cluster import netns
 
     reason = netns.unavailable_reason(rate_limited=any(c is not None for c in a.caps))
     if reason is not None:

@@ -303,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     from machine_info import machine  # benchmarks/ is on sys.path when a benchmark runs
 
-    from lightning_dist.launch import netns
+    from lightning_dist.cluster import netns
 
     rows = ["ddp"] + [r for r in a.rows if r != "ddp"]
     reason = "--no-cluster" if a.no_cluster else netns.unavailable_reason()

@@ -59,7 +59,7 @@ fi
 $PY -c 'import torch, lightning, lightning_dist; print(torch.__version__, torch.version.cuda, lightning.__version__, lightning_dist.__version__)'
 
 # 1. the four notebooks on every GPU of the box (fork launch from a kernel); a CUDA initialisation
-#    before a fork names its caller in the error (lightning_dist.launch.fork_check)
+#    before a fork names its caller in the error (lightning_dist.fork_safety)
 if [ "$DRY" = 1 ]; then
   step notebooks_plumbing 60 $PY scripts/execute-notebooks.py --help
 else

@@ -13,7 +13,7 @@ from types import ModuleType
 import pytest
 from helpers import run_command
 
-from lightning_dist.launch import netns
+from lightning_dist.cluster import netns
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_cluster.py"
 BUDGET = 200

@@ -341,5 +341,11 @@ def test_module_level_functions_default_to_single_process() -> None:
 
 
 def test_unknown_op_names_accepted_values() -> None:
-    with pytest.raises(ValueError, match=r"op='median'.*sum, avg, min, max, adasum"):
+    with pytest.raises(
+        ValueError,
+        match=r"op='median' is not supported; accepted: 'sum', 'avg', 'min', 'max', 'adasum' \(also 'add' for "
+        r"'sum'; 'mean' or 'average' for 'avg'; torch.distributed.ReduceOp.SUM/AVG/MIN/MAX\)$",
+    ):
         collectives.all_reduce(torch.ones(2), "median")
+    for spelling in ("mean", "average", "AVG", torch.distributed.ReduceOp.AVG):
+        assert torch.equal(collectives.all_reduce(torch.ones(2), spelling), torch.ones(2))

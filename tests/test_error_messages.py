@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_dist.cluster import netns
 from lightning_dist.collectives import Communicator, TorchBackend
 from lightning_dist.collectives.adasum import adasum_reference
 from lightning_dist.collectives.exchanges import start_round
 from lightning_dist.collectives.single import SingleProcessBackend
 from lightning_dist.compression import make_compressor, simulate
 from lightning_dist.compression.packing import pack, unpack
-from lightning_dist.launch import netns
 from lightning_dist.strategies.diloco import DiLoCo, foreign_parameter_message
 from lightning_dist.strategies.diloco_outer import OuterSGD
 
@@ -216,4 +216,4 @@ def test_cluster_down_failure_names_the_command_that_cleans_up(monkeypatch: pyte
         cluster.down()
     message = str(info.value)
     assert "down() left namespaces behind: could not delete network namespace ldtest-node0: busy" in message
-    assert "python -m lightning_dist.launch.netns down --prefix ldtest" in message
+    assert "python -m lightning_dist.cluster.netns down --prefix ldtest" in message

@@ -13,7 +13,8 @@ import torch
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from lightning_dist import DDP, Compressed, DiLoCo, Elastic
-from lightning_dist.launch.fork_check import ForkCheckedLauncher, check_fork_safe, checked_launcher
+from lightning_dist.fork_safety import check_fork_safe
+from lightning_dist.strategies.fork_launcher import ForkCheckedLauncher, checked_launcher
 
 
 @pytest.fixture
@@ -168,14 +169,14 @@ def a_notebook_cell_that_touches_cuda() -> None:
 
 
 def test_fork_error_names_the_call_that_first_initialised_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_dist.launch import fork_check
+    from lightning_dist import fork_safety
 
     monkeypatch.setattr(torch.cuda, "_lazy_init", torch.cuda._lazy_init)  # restored after the test
-    monkeypatch.setattr(fork_check, "_first_cuda_init", [])
+    monkeypatch.setattr(fork_safety, "_first_cuda_init", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU box, CUDA untouched
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert fork_check.trace_cuda_init() and fork_check.trace_cuda_init(), "installs once, then reports it"
-    assert fork_check.first_cuda_init() is None
+    assert fork_safety.trace_cuda_init() and fork_safety.trace_cuda_init(), "installs once, then reports it"
+    assert fork_safety.first_cuda_init() is None
     with pytest.raises((AssertionError, RuntimeError)):
         a_notebook_cell_that_touches_cuda()
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -187,12 +188,12 @@ def test_fork_error_names_the_call_that_first_initialised_cuda(monkeypatch: pyte
 
 
 def test_no_tracer_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_dist.launch import fork_check
+    from lightning_dist import fork_safety
 
     monkeypatch.setattr(torch.cuda, "_lazy_init", torch.cuda._lazy_init)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     before = torch.cuda._lazy_init
-    assert fork_check.trace_cuda_init() is False and torch.cuda._lazy_init is before
+    assert fork_safety.trace_cuda_init() is False and torch.cuda._lazy_init is before
 
 
 def test_run_elastic_refuses_to_fork_after_cuda_init_and_leaves_cuda_untouched(

@@ -1,4 +1,4 @@
-"""The emulated cluster (``lightning_dist.launch.netns``): network namespaces joined by veth links, the tbf
+"""The emulated cluster (``lightning_dist.cluster.netns``): network namespaces joined by veth links, the tbf
 cap, teardown on errors and after crashes, and trainings across 2 nodes whose final weights equal the
 same run on one host (``DDP()``, ``Compressed("powersgd")``, ``HorovodAdasum()`` under mpirun, and
 ``Elastic()`` under two torchrun agents with a worker killed)."""
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from helpers import SCRIPTS, assert_same_weights, child_env, load_rank, run_command, run_script
 
-from lightning_dist.launch import netns
-from lightning_dist.launch.netns import ClusterUnavailable, EmulatedCluster
+from lightning_dist.cluster import netns
+from lightning_dist.cluster.netns import ClusterUnavailable, EmulatedCluster
 
 slow = pytest.mark.slow
 needs_netns = pytest.mark.skipif(
@@ -143,7 +143,7 @@ def test_up_removes_the_remains_of_a_crashed_run(tmp_path: Path) -> None:
     prefix = f"ldcrash{os.getpid()}"
     crash = (
         "import os, subprocess, sys\n"
-        "from lightning_dist.launch.netns import EmulatedCluster\n"
+        "from lightning_dist.cluster.netns import EmulatedCluster\n"
         "named = EmulatedCluster(2, prefix=sys.argv[1]).up()\n"
         "auto = EmulatedCluster(2).up()\n"
         "named.popen(1, ['sleep', '600'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"

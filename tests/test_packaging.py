@@ -5,19 +5,22 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
 import lightning
 import pytest
 import tomllib
-from helpers import ROOT
+from helpers import ROOT, child_env
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dist
 from lightning_dist import compat
 from lightning_dist.cli import main
+from lightning_dist.import_hook import when_imported
 from lightning_dist.strategies import DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum
 from lightning_dist.strategies.registry import DeprecatedName, pack_names
 
@@ -70,6 +73,70 @@ def test_a_name_another_package_holds_is_left_to_it() -> None:
         warnings.simplefilter("ignore")
         Horovod.register_strategies(registry)  # registering again (a reload) replaces the pack's own entries
     assert registry["ld_horovod"]["strategy"] is Horovod and registry["horovod"]["strategy"] is OtherHorovod
+
+
+def test_when_imported_runs_after_the_module_and_at_once_when_it_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "ld_hook_probe.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "ld_hook_probe", raising=False)
+    seen: list[int] = []
+    when_imported("ld_hook_probe", lambda module: seen.append(module.VALUE))
+    assert seen == [], "nothing runs before the module is imported"
+    import ld_hook_probe  # type: ignore[import-not-found]
+
+    assert seen == [42], "the callback ran once, after the module's code"
+    when_imported("ld_hook_probe", lambda module: seen.append(-module.VALUE))
+    assert seen == [42, -42] and ld_hook_probe.VALUE == 42, "an imported module: at once"
+
+
+REGISTERED = """
+import warnings
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_dist.strategies.registry import LazyStrategy, resolve
+import lightning as L
+
+entry = StrategyRegistry["ld_compressed_int8"]
+assert isinstance(entry["strategy"], LazyStrategy), entry
+assert "lightning_dist.strategies.compressed" not in sys.modules, "no strategy imported to register it"
+assert resolve(StrategyRegistry, "compressed_int8")[0].__name__ == "Compressed"
+strategy = L.Trainer(strategy="ld_compressed_int8", accelerator="cpu", devices=1, logger=False).strategy
+assert type(strategy).__name__ == "Compressed" and strategy.compressor.name == "int8", strategy
+assert StrategyRegistry["ld_compressed_int8"]["strategy"] is type(strategy), "the class took its place"
+import lightning_dist
+horovod = lightning_dist.Horovod  # imports it
+assert StrategyRegistry["ld_horovod"]["strategy"] is horovod
+print("versions:", sum("tested with lightning 2.6.x; this is lightning 2.9.1" in str(w.message) for w in caught))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "first",
+    [
+        # Lightning first (an untested version): the names at `import lightning_dist`, with the warning
+        "import lightning\nlightning.__version__ = '2.9.1'\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import lightning_dist\n",
+        # the pack first: the names once Lightning's strategies module is loaded, not before
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import lightning_dist\n"
+        "    assert 'lightning' not in sys.modules\n"
+        "    from lightning.pytorch.strategies import StrategyRegistry\n",
+    ],
+    ids=["lightning_first", "lightning_dist_first"],
+)
+def test_names_are_registered_whichever_is_imported_first(first: str) -> None:
+    code = "import sys, warnings\n" + first + REGISTERED
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=child_env(), cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = 1 if "2.9.1" in first else 0
+    assert proc.stdout.strip() == f"versions: {warned}", "an untested Lightning warns once, naming the range"
 
 
 def test_cli_lists_the_strategies(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""Two real SLURM nodes on one machine (``lightning_dist.launch.slurm_nodes``): ``slurmd -N n1`` and
+"""Two real SLURM nodes on one machine (``lightning_dist.cluster.slurm_nodes``): ``slurmd -N n1`` and
 ``slurmd -N n2`` in two network namespaces joined by a veth link, slurmctld in n1's, and jobs across
 them: one task per node, ``DDP()`` (devices=1, num_nodes=2) under srun and as an sbatch job from
 ``lightning-dist slurm``, and ``HorovodAdasum()`` under ``srun --mpi=pmix`` and as an sbatch job, each
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import SCRIPTS, assert_same_weights, load_rank, run_command, run_script
 
-from lightning_dist.launch import slurm_nodes
-from lightning_dist.launch.slurm_nodes import SlurmNodes
+from lightning_dist.cluster import slurm_nodes
+from lightning_dist.cluster.slurm_nodes import SlurmNodes
 
 pytestmark = pytest.mark.slow
 START_BUDGET = 90

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_dist import DDP, Compressed, Horovod, HorovodAdasum
+from lightning_dist import DDP, Compressed, Elastic, Horovod, HorovodAdasum
 from lightning_dist.compression import COMPRESSORS, PowerSGD
 
 
@@ -84,7 +84,11 @@ def test_names_instances_and_registry() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
     [
-        ({"op": "mean"}, r"op='mean' is not supported; accepted: 'average', 'sum'$"),
+        (
+            {"op": "median"},
+            r"op='median' is not supported; accepted: 'avg', 'sum' \(also 'mean' or 'average' for 'avg'; "
+            r"'add' for 'sum'; torch.distributed.ReduceOp.AVG/SUM\)$",
+        ),
         ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
         ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
         ({"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
@@ -115,6 +119,59 @@ def test_horovod_op_adasum_points_to_horovod_adasum(kwargs: dict) -> None:
         Horovod(**kwargs)
     with pytest.raises(ValueError, match=r"op='adasum'"):
         Horovod("adasum")
+
+
+def test_one_op_vocabulary_for_ddp_and_horovod() -> None:
+    """Every spelling of an op (collectives.ops) means the same op for DDP, Compressed and Horovod."""
+    from torch.distributed import ReduceOp
+
+    for average in ("avg", "average", "mean", "AVG", "Mean", ReduceOp.AVG, None):
+        assert (
+            DDP(reduce_op=average).reduce_op == "avg"
+            and Compressed("fp16", reduce_op=average).reduce_op == "avg"
+        )
+        if average is not None:
+            assert Horovod(op=average).op == "average", "Horovod keeps its own word for it"
+    for total in ("sum", "add", "SUM", ReduceOp.SUM):
+        assert DDP(reduce_op=total).reduce_op == "sum" and Horovod(op=total).op == "sum"
+    assert DDP(reduce_op="Adasum").reduce_op == "adasum" and HorovodAdasum(op="ADASUM").op == "adasum"
+    with pytest.raises(ValueError, match=r"op='Adasum' is not supported by Horovod .* use HorovodAdasum\(\)"):
+        Horovod(op="Adasum")
+    with pytest.raises(
+        ValueError, match=r"reduce_op=<RedOpType.MAX: 4> is not supported; accepted: 'avg', 'sum'"
+    ):
+        DDP(reduce_op=ReduceOp.MAX)
+
+
+def test_each_constructor_takes_its_option_dataclasses_fields_with_their_defaults() -> None:
+    """The option dataclasses (strategies/options.py) and the constructors' keyword arguments (what
+    IDEs and LightningCLI read) name the same options with the same defaults."""
+    import dataclasses
+    import inspect
+
+    from lightning_dist import DiLoCo
+    from lightning_dist.strategies import options
+
+    def params(init: Any) -> dict[str, Any]:
+        return {
+            n: p.default
+            for n, p in inspect.signature(init).parameters.items()
+            if n not in ("self", "unknown")
+        }
+
+    def defaults(*groups: type) -> dict[str, Any]:
+        return {f.name: f.default for g in groups for f in dataclasses.fields(g)}
+
+    assert params(DDP.__init__) == defaults(options.LaunchOptions, options.DDPOptions)
+    assert list(params(DDP.__init__)) == DDP._accepted_options()
+    assert params(DiLoCo.__init__) == defaults(options.DiLoCoOptions, options.LaunchOptions)
+    assert list(params(DiLoCo.__init__)) == DiLoCo._accepted_options()
+    assert params(Horovod.__init__) == defaults(options.HorovodOptions)
+    assert params(HorovodAdasum.__init__) == {**defaults(options.HorovodOptions), "op": "adasum"}
+    elastic = inspect.signature(Elastic._init_elastic).parameters
+    assert [n for n in elastic if n != "self"] == [f.name for f in dataclasses.fields(options.ElasticOptions)]
+    for name, field in defaults(options.ElasticOptions).items():
+        assert inspect.signature(Elastic.__init__).parameters[name].default == field, name
 
 
 def test_horovod_strategies_are_siblings_on_one_base() -> None:
@@ -189,15 +246,11 @@ def test_collectives_refuse_a_process_group_they_cannot_honour(method: str) -> N
     ],
 )
 def test_bad_elastic_arguments(kwargs: dict[str, Any], pattern: str) -> None:
-    from lightning_dist import Elastic
-
     with pytest.raises(ValueError, match=pattern):
         Elastic(**kwargs)
 
 
 def test_elastic_defaults_and_registered_name() -> None:
-    from lightning_dist import Elastic
-
     strategy = Elastic()
     assert strategy.compressor.name == "none" and strategy.nonfinite is not None, (
         "skip_nonfinite on by default"

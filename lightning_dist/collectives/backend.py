@@ -1,11 +1,11 @@
-"""The transport interface every backend implements, and the names of reduction ops."""
+"""The transport interface every backend implements (the names of reduction ops are ``ops.py``'s)."""
 
 from __future__ import annotations
 
 import math
 import pickle
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,23 +13,10 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dist.collectives.accounting import ring_all_reduce_bytes
+from lightning_dist.collectives.ops import REDUCE_OPS, ReduceOp, check_reduce_op  # noqa: F401  (the op names' home)
 
 if TYPE_CHECKING:
     from lightning_dist.collectives.communicator import Communicator
-
-ReduceOp = Literal["sum", "avg", "min", "max", "adasum"]
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "adasum")
-
-
-def check_reduce_op(op: str) -> str:
-    """Normalise aliases (``mean`` -> ``avg``) and reject unknown ops with the accepted list."""
-    name = str(op).lower()
-    name = {"mean": "avg", "average": "avg", "add": "sum"}.get(name, name)
-    if name not in REDUCE_OPS:
-        raise ValueError(
-            f"op={op!r} is not a reduction this library knows; accepted: {', '.join(REDUCE_OPS)}"
-        )
-    return name
 
 
 def rows(t: Tensor) -> int:

@@ -1,7 +1,8 @@
 """Building blocks for elastic (torchrun) training, which restarts and resizes jobs: atomic verified
 commits of the training state (``commits``) and a data position that survives restarts and
-world-size changes (``sampler``), and a writer that commits in the background (``writer``). The
-``Elastic`` strategy (``lightning_dist.strategies.elastic``) joins them."""
+world-size changes (``sampler``), a writer that commits in the background (``writer``), and the
+process-group store of each restart attempt (``rendezvous``). The ``Elastic`` strategy
+(``lightning_dist.strategies.elastic``) joins them."""
 
 from lightning_dist.elastic.commits import (
     Commit,

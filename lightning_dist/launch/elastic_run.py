@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from lightning_dist.checks import check_choice, check_int
-from lightning_dist.launch.fork_check import check_fork_safe
+from lightning_dist.fork_safety import check_fork_safe
 
 START_METHODS = ("fork", "spawn")
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)

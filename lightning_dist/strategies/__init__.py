@@ -1,16 +1,31 @@
-"""Lightning strategies; each registers its names in Lightning's StrategyRegistry on import."""
+"""Lightning strategies. The classes are imported on first use (``from lightning_dist.strategies import
+DDP``), so this package, its option and name tables, load without Lightning; their names are in
+Lightning's ``StrategyRegistry`` once Lightning is loaded (``names.py``)."""
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_dist.strategies.compressed import Compressed
-from lightning_dist.strategies.ddp import DDP
-from lightning_dist.strategies.diloco import DiLoCo
-from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
-from lightning_dist.strategies.horovod import Horovod
-from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+import importlib
+from typing import TYPE_CHECKING, Any
 
-for _strategy in (DDP, Compressed, DiLoCo, Elastic, ElasticDiLoCo, Horovod, HorovodAdasum):
-    _strategy.register_strategies(StrategyRegistry)
+if TYPE_CHECKING:
+    from lightning_dist.strategies.compressed import Compressed
+    from lightning_dist.strategies.ddp import DDP
+    from lightning_dist.strategies.diloco import DiLoCo
+    from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
+    from lightning_dist.strategies.horovod import Horovod
+    from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+
+_CLASSES = {
+    "DDP": "ddp",
+    "Compressed": "compressed",
+    "DiLoCo": "diloco",
+    "Elastic": "elastic",
+    "ElasticDiLoCo": "elastic",
+    "ElasticMixin": "elastic",
+    "Horovod": "horovod",
+    "HorovodAdasum": "horovod_adasum",
+}
+"""Each class and the module of this package that defines it."""
 
 __all__ = [
     "DDP",
@@ -22,3 +37,13 @@ __all__ = [
     "Horovod",
     "HorovodAdasum",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLASSES:
+        return getattr(importlib.import_module(f"{__name__}.{_CLASSES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

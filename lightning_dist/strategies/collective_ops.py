@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.collectives.autograd import all_gather_with_grad
-from lightning_dist.strategies.options import reduce_op_name
+from lightning_dist.strategies.options import op_name
 
 T = TypeVar("T")
 
@@ -43,7 +43,7 @@ class CollectiveOpsMixin(Strategy):
         _check_group("reduce", group)
         if not isinstance(tensor, Tensor):
             return tensor
-        op = reduce_op_name("reduce_op", reduce_op, ("sum", "avg", "min", "max"))
+        op = op_name(reduce_op, ("sum", "avg", "min", "max"), argument="reduce_op", default="avg")
         if op == "avg" and not tensor.is_floating_point():
             # Lightning truncates an integer mean back into the integer tensor; this returns it exactly
             return collectives.all_reduce(tensor.float(), op)

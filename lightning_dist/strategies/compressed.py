@@ -27,9 +27,8 @@ from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
-from lightning_dist.strategies.options import reduce_op_name
+from lightning_dist.strategies.options import COMPRESSED_REDUCE_OPS, op_name
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
-from lightning_dist.strategies.registry import register
 from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -38,7 +37,6 @@ CHECKPOINT_KEY = "lightning_dist.compressed"
 COMPRESSOR_STATES = RankStates(CHECKPOINT_KEY, "Compressed", "the checkpoint has no compressor state")
 """Checkpoint entry: ``{"world_size": W, "compressor": name, "ranks": [rank r's
 ``compressor_checkpoint_state()``]}``."""
-COMPRESSED_REDUCE_OPS = ("avg", "adasum")
 
 
 def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, Any]) -> Compressor:
@@ -90,7 +88,7 @@ class Compressed(RankStateMixin, DDP):
         self.compressor = build_compressor(
             compressor, {k: v for k, v in options.items() if k not in ddp_names}
         )
-        op = reduce_op_name("reduce_op", reduce_op, COMPRESSED_REDUCE_OPS)
+        op = op_name(reduce_op, COMPRESSED_REDUCE_OPS, argument="reduce_op", default="avg")
         if op == "adasum" and not self.compressor.supports_adasum:
             allowed = ", ".join(n for n, c in COMPRESSORS.items() if c.supports_adasum)
             raise ValueError(
@@ -220,18 +218,3 @@ class Compressed(RankStateMixin, DDP):
             self.compressor.load_state_dict(self.compressor.merge_states([r["state"] for r in ranks]))
         state.planned = {int(k): [int(i) for i in v] for k, v in own["layout"].items()} or None
         state.layout = {}
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        for name in COMPRESSORS:
-            register(
-                strategy_registry,
-                f"ld_compressed_{name}",
-                cls,
-                f"DDP with {name} gradient compression"
-                if name != "none"
-                else "Compressed's path, no compression",
-                deprecated=f"compressed_{name}",
-                compressor=name,
-            )

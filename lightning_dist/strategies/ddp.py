@@ -20,25 +20,22 @@ from typing_extensions import override
 
 from lightning_dist import collectives
 from lightning_dist.compat import _IS_INTERACTIVE, _init_dist_connection, _SubprocessScriptLauncher
-from lightning_dist.launch.fork_check import checked_launcher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
+from lightning_dist.strategies.fork_launcher import checked_launcher
 from lightning_dist.strategies.model_check import check_same_model
+from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
 from lightning_dist.strategies.options import (
-    check_bool,
-    check_choice,
-    check_positive,
-    reduce_op_name,
+    DDPOptions,
+    LaunchOptions,
+    option_names,
+    options_from,
     reject_unknown_options,
 )
-from lightning_dist.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
-PROCESS_GROUP_BACKENDS = (None, "gloo", "nccl", "mpi")
-START_METHODS = ("auto", "popen", "spawn", "fork", "forkserver")
-GRADIENT_REDUCE_OPS = ("avg", "sum", "adasum")
 CHILD_EXIT_GRACE_S = 5.0
 """Seconds rank 0 of Lightning's launcher waits, after an exception, for its child ranks to end by
 themselves before it kills them."""
@@ -62,7 +59,8 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     Args:
         reduce_op: how gradients are combined: ``"avg"`` (what torch DDP does), ``"sum"``, or
             ``"adasum"`` (gradient-space Adasum per parameter tensor; with SGD it equals Horovod's
-            Adasum, with Adam it is a different algorithm than Horovod's update-space one).
+            Adasum, with Adam it is a different algorithm than Horovod's update-space one). Other
+            spellings (``"mean"``, ``"average"``, ``ReduceOp.SUM`` ...): ``lightning_dist.collectives.ops``.
         start_method: ``"auto"`` picks ``"fork"`` in an interactive session (notebooks) and
             ``"popen"`` (the script re-executed per rank, like Lightning's ``"ddp"``) otherwise.
         bucket_cap_mb, static_graph, find_unused_parameters: passed to ``DistributedDataParallel``.
@@ -96,40 +94,19 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
-        check_choice("process_group_backend", process_group_backend, PROCESS_GROUP_BACKENDS)
-        check_choice("start_method", start_method, START_METHODS)
-        reduce_op = reduce_op_name("reduce_op", reduce_op, GRADIENT_REDUCE_OPS)
-        ddp_kwargs: dict[str, Any] = {
-            "static_graph": static_graph,
-            "find_unused_parameters": find_unused_parameters,
-            "gradient_as_bucket_view": gradient_as_bucket_view,
-        }
-        if bucket_cap_mb is not None:
-            check_positive("bucket_cap_mb", bucket_cap_mb)
-            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
-        if start_method == "auto":
-            start_method = "fork" if _IS_INTERACTIVE else "popen"
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            **ddp_kwargs,
-        )
-        check_bool("skip_nonfinite", skip_nonfinite)
-        self.reduce_op = reduce_op
+        launch = options_from(LaunchOptions, locals())  # checks them
+        options = options_from(DDPOptions, locals())
+        if launch.start_method == "auto":
+            launch.start_method = "fork" if _IS_INTERACTIVE else "popen"
+        super().__init__(**launch.as_kwargs(), **options.distributed_kwargs())
+        self.reduce_op = options.reduce_op
         self.hook_state = self._make_hook_state()
-        self.nonfinite = NonFiniteGuard() if skip_nonfinite else None
+        self.nonfinite = NonFiniteGuard() if options.skip_nonfinite else None
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
-        import inspect
-
-        return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "unknown")]
+        """The keyword options this class accepts (named in the unknown-option error)."""
+        return option_names(LaunchOptions, DDPOptions)
 
     @property
     @override
@@ -151,7 +128,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.launch.slurm_check import check_ddp_under_slurm
+        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
 
         check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         super().setup_environment()
@@ -233,24 +210,4 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (
-            ("ld_ddp", "auto"),
-            ("ld_ddp_popen", "popen"),
-            ("ld_ddp_spawn", "spawn"),
-            ("ld_ddp_fork", "fork"),
-            ("ld_ddp_notebook", "fork"),
-        ):
-            register(
-                strategy_registry,
-                name,
-                cls,
-                f"DDP over torch's reducer, launched with start_method={start_method!r}",
-                start_method=start_method,
-            )
-        register(
-            strategy_registry,
-            "ld_ddp_adasum",
-            cls,
-            "DDP with gradient-space Adasum instead of the average (any backend, no Horovod)",
-            reduce_op="adasum",
-        )
+        register_class(strategy_registry, cls)  # the names in strategies/names.py that build this class

@@ -37,14 +37,20 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
+from lightning_dist.strategies.options import (
+    DILOCO_COMPRESSIONS,
+    DiLoCoOptions,
+    LaunchOptions,
+    option_names,
+    options_from,
+    reject_unknown_options,
+)
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates, gather_objects
-from lightning_dist.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +59,6 @@ CHECKPOINT_KEY = "lightning_dist.diloco"
 "compressor"}], "outer": OuterSGD.state_dict(), "inner_step": int, "syncs": int, "inner_steps": H}``."""
 DILOCO_STATES = RankStates(
     CHECKPOINT_KEY, "DiLoCo", "the checkpoint has no DiLoCo state (saved by another strategy)"
-)
-DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
-"""Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
-LAUNCH_OPTIONS = (
-    "accelerator",
-    "parallel_devices",
-    "cluster_environment",
-    "checkpoint_io",
-    "precision_plugin",
-    "process_group_backend",
-    "timeout",
-    "start_method",
 )
 
 
@@ -193,13 +187,7 @@ class DiLoCo(RankStateMixin, DDP):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
-        check_int("inner_steps", inner_steps, 1)
-        check_positive("outer_lr", outer_lr)
-        check_number("outer_momentum", outer_momentum, 0, 1)
-        if outer_momentum == 1:
-            raise ValueError(f"outer_momentum={outer_momentum!r} must be in [0, 1)")
-        check_bool("nesterov", nesterov)
-        check_bool("sync_buffers", sync_buffers)
+        options_from(DiLoCoOptions, locals())  # checks them
         self.compressor = build_diloco_compressor(compression)
         super().__init__(
             accelerator=accelerator,
@@ -230,15 +218,7 @@ class DiLoCo(RankStateMixin, DDP):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        return [
-            "inner_steps",
-            "outer_lr",
-            "outer_momentum",
-            "nesterov",
-            "compression",
-            "sync_buffers",
-            *LAUNCH_OPTIONS,
-        ]
+        return option_names(DiLoCoOptions, LaunchOptions)
 
     # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
     @override
@@ -428,24 +408,4 @@ class DiLoCo(RankStateMixin, DDP):
                 self.inner_step,
                 self.inner_steps,
                 saved.get("inner_steps"),
-            )
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(
-            strategy_registry,
-            "ld_diloco",
-            cls,
-            "DiLoCo: local steps, then an outer Nesterov step on the averaged change",
-            deprecated="diloco",
-        )
-        for name in DILOCO_COMPRESSIONS[1:]:
-            register(
-                strategy_registry,
-                f"ld_diloco_{name}",
-                cls,
-                f"DiLoCo with {name} pseudo-gradients on the wire",
-                deprecated=f"diloco_{name}",
-                compression=name,
             )

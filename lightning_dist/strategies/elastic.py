@@ -42,7 +42,6 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dist import collectives
-from lightning_dist.checks import check_bool, check_choice, check_int
 from lightning_dist.compat import (
     _PATH,
     checkpoint_batch_progress,
@@ -53,14 +52,14 @@ from lightning_dist.compat import (
 )
 from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
-from lightning_dist.elastic.sampler import ON_INDIVISIBLE, ElasticPlan, ElasticSampler
+from lightning_dist.elastic.rendezvous import attempt_store
+from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
-from lightning_dist.launch.torchelastic import attempt_store
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
 from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.model_check import check_same_model
-from lightning_dist.strategies.registry import register
+from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.warn import warn_once
 
 if TYPE_CHECKING:  # the mixin's super() calls reach a DDP with per-rank checkpoint state
@@ -76,15 +75,7 @@ logger = logging.getLogger(__name__)
 
 ELASTIC_KEY = "lightning_dist.elastic"
 """The commit's entry for what Lightning's checkpoint lacks: data position, plan, per-rank RNG."""
-ELASTIC_OPTIONS = (
-    "commit_every",
-    "keep",
-    "dirpath",
-    "seed",
-    "on_indivisible",
-    "scale_lr",
-    "background_commits",
-)
+ELASTIC_OPTIONS = tuple(option_names(ElasticOptions))
 """``ElasticMixin``'s options (every elastic strategy takes them)."""
 
 
@@ -161,14 +152,7 @@ class ElasticMixin(_MixinBase):
         background_commits: bool,
     ) -> None:
         """Check the elastic options (ValueError naming the bad one) and set the elastic state."""
-        check_int("commit_every", commit_every, 1)
-        check_int("keep", keep, 1)
-        check_int("seed", seed, 0)
-        check_choice("on_indivisible", on_indivisible, ON_INDIVISIBLE)
-        check_bool("scale_lr", scale_lr)
-        check_bool("background_commits", background_commits)
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise ValueError(f"dirpath={dirpath!r} is not supported; accepted: None, a str or a path")
+        options_from(ElasticOptions, locals())  # checks them
         self.commit_every = commit_every
         self.keep = keep
         self.dirpath = dirpath
@@ -459,17 +443,6 @@ class Elastic(ElasticMixin, Compressed):
         own = [*ELASTIC_OPTIONS[:3], "compression", *ELASTIC_OPTIONS[3:]]
         return [*own, *(o for o in Compressed._accepted_options() if o != "compressor")]
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(
-            strategy_registry,
-            "ld_elastic",
-            cls,
-            "elastic DDP under torchrun: atomic commits, exactly-once data across restarts",
-            deprecated="elastic",
-        )
-
 
 class ElasticDiLoCo(ElasticMixin, DiLoCo):
     """DiLoCo under torchrun's elastic agent, resuming from commits (see the module docstring).
@@ -511,14 +484,3 @@ class ElasticDiLoCo(ElasticMixin, DiLoCo):
     @override
     def _accepted_options(cls) -> list[str]:
         return [*ELASTIC_OPTIONS, *DiLoCo._accepted_options()]
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(
-            strategy_registry,
-            "ld_elastic_diloco",
-            cls,
-            "DiLoCo with Elastic's commits and exactly-once data (torchrun)",
-            deprecated="elastic_diloco",
-        )

@@ -22,21 +22,26 @@ from lightning_dist import collectives
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
-from lightning_dist.strategies.options import check_choice, reject_unknown_options
-from lightning_dist.strategies.registry import register
+from lightning_dist.strategies.options import (
+    HOROVOD_COMPRESSIONS,
+    HOROVOD_OPS,
+    check_choice,
+    normalize_op,
+    op_name,
+    reject_unknown_options,
+)
 
 logger = logging.getLogger(__name__)
-
-HOROVOD_OPS = ("average", "sum")
-HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
 
 
 class Horovod(HorovodBase):
     """Data-parallel training over Horovod (MPI or Gloo controller; NCCL on GPUs when built).
 
     Args:
-        op: ``"average"`` (default) or ``"sum"`` of the gradients. For Horovod's Adasum (of the
-            optimizer updates) use ``HorovodAdasum()``; ``op="adasum"`` is refused, pointing there.
+        op: ``"average"`` (default) or ``"sum"`` of the gradients, in any spelling of
+            ``lightning_dist.collectives.ops`` (``"avg"``, ``"mean"``, ``ReduceOp.SUM`` ...), kept as
+            ``strategy.op`` in Horovod's words. For Horovod's Adasum (of the optimizer updates) use
+            ``HorovodAdasum()``; ``op="adasum"`` is refused, pointing there.
         compression: ``None``/``"none"``, ``"fp16"`` or ``"bf16"`` (gradients cross the wire in half
             precision), or a ``lightning_dist.compression.Compressor`` whose ``aggregation`` is
             ``"allreduce"`` (its exchange runs at world size 1 and Horovod's all-reduce averages).
@@ -58,15 +63,16 @@ class Horovod(HorovodBase):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, HOROVOD_OPTIONS)
-        if op == "adasum":
+        if normalize_op(op) == "adasum":
             raise ValueError(
-                "op='adasum' is not supported by Horovod (Horovod's Adasum combines the optimizer updates, "
+                f"op={op!r} is not supported by Horovod (Horovod's Adasum combines the optimizer updates, "
                 "not the gradients); use HorovodAdasum() (strategy 'ld_horovod_adasum') instead"
             )
-        check_choice("op", op, HOROVOD_OPS)
+        # any spelling of collectives.ops ("avg", "mean", ReduceOp.SUM ...); held as Horovod's words
+        spelled = {"avg": "average", "sum": "sum"}[op_name(op, HOROVOD_OPS, argument="op")]
         compressor = _horovod_compressor(compression)
         super().__init__(lr_scale, accelerator, checkpoint_io, precision_plugin)
-        self.op = op
+        self.op = spelled
         self.compression = None if compression == "none" else compression
         self.compressor = compressor
         self._sync_grads = True
@@ -176,21 +182,6 @@ class Horovod(HorovodBase):
         self._pending.clear()
         self._reductions.clear()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(
-            strategy_registry, "ld_horovod", cls, "Horovod, average of the gradients", deprecated="horovod"
-        )
-        register(
-            strategy_registry, "ld_horovod_sum", cls, "Horovod, sum of the gradients", "horovod_sum", op="sum"
-        )
-        for wire in ("fp16", "bf16"):
-            description = f"Horovod, {wire} gradients on the wire"
-            register(
-                strategy_registry, f"ld_horovod_{wire}", cls, description, f"horovod_{wire}", compression=wire
-            )
 
 
 def _horovod_compressor(compression: Any) -> Optional[Compressor]:

@@ -25,9 +25,8 @@ from lightning_dist import collectives
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
-from lightning_dist.strategies.options import reject_unknown_options
+from lightning_dist.strategies.options import normalize_op, reject_unknown_options
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
-from lightning_dist.strategies.registry import register
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +66,7 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
     ) -> None:
         """Arguments as ``Horovod``'s (``lr_scale``, ``accelerator`` ...); ``op`` must stay "adasum"
         and ``compression`` None: Adasum combines full-precision updates."""
-        if op != "adasum":
+        if normalize_op(op) != "adasum":
             raise ValueError(f"op={op!r}: HorovodAdasum always uses 'adasum'; use Horovod(op=...) instead")
         if compression not in (None, "none"):
             raise ValueError(
@@ -162,14 +161,3 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
     def teardown(self) -> None:
         self._start.clear()
         super().teardown()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        register(
-            strategy_registry,
-            "ld_horovod_adasum",
-            cls,
-            "Horovod with Adasum of the optimizer updates (MPI controller)",
-            deprecated="horovod_adasum",
-        )

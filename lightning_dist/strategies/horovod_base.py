@@ -24,10 +24,12 @@ from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.model_check import check_same_model
+from lightning_dist.strategies.names import register_class
+from lightning_dist.strategies.options import HorovodOptions, option_names
 
 logger = logging.getLogger(__name__)
 
-HOROVOD_OPTIONS = ("op", "compression", "lr_scale", "accelerator", "checkpoint_io", "precision_plugin")
+HOROVOD_OPTIONS = tuple(option_names(HorovodOptions))
 """The keyword arguments ``Horovod`` and ``HorovodAdasum`` accept (named in the unknown-option error)."""
 
 
@@ -51,8 +53,7 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
     ) -> None:
-        if not (lr_scale == "auto" or (isinstance(lr_scale, (int, float)) and lr_scale > 0)):
-            raise ValueError(f"lr_scale={lr_scale!r}; accepted: 'auto' or a number > 0")
+        HorovodOptions(lr_scale=lr_scale)  # checks it
         super().__init__(
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
@@ -112,7 +113,7 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.launch.slurm_check import check_horovod_under_slurm
+        from lightning_dist.strategies.slurm_check import check_horovod_under_slurm
 
         check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
         collectives.use(collectives.Communicator(self.backend))
@@ -191,3 +192,8 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
     def teardown(self) -> None:
         super().teardown()
         collectives.release()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_class(strategy_registry, cls)  # the names in strategies/names.py that build this class

@@ -8,6 +8,7 @@ the same strategy and warn that they are deprecated.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +40,33 @@ class DeprecatedName:
         return f"DeprecatedName({self.old!r} -> {self.new!r})"
 
 
+class LazyStrategy:
+    """What a name registers while its strategy's module is not imported yet: Lightning calls it as it
+    would the class (``registry.get(name)``), and it imports the class then. Importing the module
+    puts the class itself in its place (``strategies/names.py``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        """``module.Class``: ``"lightning_dist.strategies.ddp.DDP"``."""
+
+    def load(self) -> type:
+        module, _, name = self.path.rpartition(".")
+        cls: type = getattr(importlib.import_module(module), name)
+        return cls
+
+    def __call__(self, **init_params: Any) -> Any:
+        return self.load()(**init_params)
+
+    def __repr__(self) -> str:
+        return f"LazyStrategy({self.path!r})"
+
+
 def _owner(entry: dict[str, Any]) -> str:
     target = entry.get("strategy")
     if isinstance(target, DeprecatedName):
         return "lightning_dist"
+    if isinstance(target, LazyStrategy):
+        return target.path
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
 
 
@@ -76,11 +100,13 @@ def register(
 
 def resolve(registry: Any, name: str) -> tuple[Any, dict[str, Any]]:
     """The class (or factory) and init params that ``registry.get(name)`` calls, a deprecated alias
-    followed to the name it stands for."""
+    followed to the name it stands for (a class not imported yet is imported)."""
     entry = registry[name]
     target = entry["strategy"]
     if isinstance(target, DeprecatedName):
         return resolve(registry, target.new)
+    if isinstance(target, LazyStrategy):
+        target = target.load()
     return target, dict(entry.get("init_params", {}))
 
 

@@ -1,7 +1,7 @@
 """The demo: train the embedded workload on 2 local processes with every strategy, print a table.
 
 As root (with iproute2) it adds a column: each strategy's median step time across 2 emulated nodes
-(``lightning_dist.launch.netns.EmulatedCluster``: network namespaces joined by a veth pair capped
+(``lightning_dist.cluster.netns.EmulatedCluster``: network namespaces joined by a veth pair capped
 with tc tbf, 100 Mbit/s by default), one process per node, Horovod rows by mpirun across the nodes.
 Elsewhere it prints one line saying why that column is skipped."""
 
@@ -159,7 +159,7 @@ def capped_column(
 ) -> Optional[dict[str, dict]]:
     """Each row's result across 2 emulated nodes at ``cap_mbit``; None (with one line printed saying
     why) where no cluster can be built here."""
-    from lightning_dist.launch import netns
+    from lightning_dist.cluster import netns
 
     reason = netns.unavailable_reason()
     if reason is not None:

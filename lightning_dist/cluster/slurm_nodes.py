@@ -16,9 +16,9 @@ to the veth subnet): ``cluster.command(argv)``, or the ``STATE/on-n1`` wrapper t
         subprocess.run(cluster.command(["srun", "-N2", "--ntasks-per-node=1", "hostname"]),
                        env=cluster.env())
 
-    python -m lightning_dist.launch.slurm_nodes up      # prints SLURM_CONF=...; leaves it running
+    python -m lightning_dist.cluster.slurm_nodes up      # prints SLURM_CONF=...; leaves it running
     /tmp/ld_slurm_nodes/on-n1 srun -N2 --ntasks-per-node=1 printenv SLURMD_NODENAME
-    python -m lightning_dist.launch.slurm_nodes down
+    python -m lightning_dist.cluster.slurm_nodes down
 
 Its config, state, ports (6917/6918) and cluster name are its own, so it can run next to the one-node
 cluster of ``scripts/start-local-slurm.sh``.
@@ -37,12 +37,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Optional
 
+from typing_extensions import Self, override
+
 from lightning_dist.checks import check_int
-from lightning_dist.launch import netns
-from lightning_dist.launch.netns import ClusterUnavailable, EmulatedCluster
+from lightning_dist.cluster import netns
+from lightning_dist.cluster.netns import ClusterUnavailable, EmulatedCluster, UpDown
 
 DEFAULT_STATE = "/tmp/ld_slurm_nodes"
 """Not under ``/tmp/lightning_dist_slurm``: start-local-slurm.sh finds its daemons by that prefix."""
@@ -86,7 +87,7 @@ def _ensure_munge() -> None:
         raise RuntimeError(f"could not start munged: {proc.stderr.strip()}")
 
 
-class SlurmNodes:
+class SlurmNodes(UpDown):
     """``nodes`` SLURM nodes ``n1`` ... ``nN`` (``cpus`` CPUs each), one per network namespace of an
     ``EmulatedCluster`` on ``subnet``; ``slurmctld`` runs in the first. Config, state and logs go to
     ``state_dir`` (``slurm.conf`` there is ``SLURM_CONF``); ``up()`` starts from an empty state."""
@@ -233,7 +234,8 @@ class SlurmNodes:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def up(self, timeout: float = 60) -> SlurmNodes:
+    @override
+    def up(self, timeout: float = 60) -> Self:
         """Create the namespaces, write the config, start munged (if needed), slurmctld and the
         slurmds, and wait until every node is idle; on failure everything is removed."""
         if self.is_up:
@@ -264,23 +266,13 @@ class SlurmNodes:
             raise
         return self
 
+    @override
     def down(self) -> None:
         """Kill the daemons and every job step (all processes of the namespaces) and remove the
         namespaces; the state folder stays for its logs. Idempotent."""
         remove(self.net.prefix)
         self.net.is_up = False
         self.is_up = False
-
-    def __enter__(self) -> SlurmNodes:
-        return self.up()
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.down()
 
 
 def remove(prefix: str = DEFAULT_PREFIX) -> list[str]:
@@ -291,7 +283,7 @@ def remove(prefix: str = DEFAULT_PREFIX) -> list[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_dist.launch.slurm_nodes",
+        prog="python -m lightning_dist.cluster.slurm_nodes",
         description="A SLURM cluster of N nodes on this machine: one slurmd per network namespace (root).",
     )
     sub = parser.add_subparsers(dest="action", required=True)
@@ -313,7 +305,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"clients run on n1: {cluster.state_dir}/on-n1 srun -N{a.nodes} --ntasks-per-node=1 hostname",
         file=sys.stderr,
     )
-    print(f"stop with: python -m lightning_dist.launch.slurm_nodes down --prefix {a.prefix}", file=sys.stderr)
+    print(
+        f"stop with: python -m lightning_dist.cluster.slurm_nodes down --prefix {a.prefix}", file=sys.stderr
+    )
     print(f"SLURM_CONF={cluster.conf}")
     return 0
 

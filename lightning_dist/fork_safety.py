@@ -1,31 +1,24 @@
-"""Fork launching (notebooks): a clear error when CUDA was initialised before the fork, and no second
-launch inside a process that a launcher (torchrun's agent, ``run_elastic``, SLURM, mpirun) started.
+"""Fork launches after CUDA: a clear error in the parent, naming the call that initialised CUDA.
 
 In a notebook ``DDP()`` (and every strategy built on it) starts its ranks with ``fork``: the children
 are copies of the kernel, so they see everything defined in it. A process that has initialised CUDA
 cannot be forked for GPU work: the children fail with torch's "Cannot re-initialize CUDA in forked
 subprocess", raised inside each child, far from the cause. Lightning's own check
 (``_check_bad_cuda_fork``) only looks at whether the *current* process is a bad fork, so it does not
-stop the parent. ``check_fork_safe`` does, in the parent, before anything is forked.
+stop the parent. ``check_fork_safe`` does, in the parent, before anything is forked (the strategies'
+launcher, ``lightning_dist.strategies.fork_launcher``, and ``run_elastic`` call it).
 
 ``trace_cuda_init`` (installed on ``import lightning_dist`` where CUDA is available) records the stack
-of the call that first initialises CUDA in this process, so the error can name it.
+of the call that first initialises CUDA in this process, so the error can name it. Needs torch only.
 """
 
 from __future__ import annotations
 
-import logging
 import traceback
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-from typing_extensions import override
-
-from lightning_dist.compat import _MultiProcessingLauncher
-
-logger = logging.getLogger(__name__)
-
 
 _first_cuda_init: list[str] = []
 """The stack of the call that first initialised CUDA in this process (``trace_cuda_init``)."""
@@ -85,57 +78,3 @@ def check_fork_safe(start_method: str, owner: str, *, uses_cuda: bool = True) ->
         return
     if torch.cuda.is_initialized():
         raise RuntimeError(fork_unsafe_message(start_method, owner))
-
-
-class ForkCheckedLauncher(_MultiProcessingLauncher):
-    """Lightning's multiprocessing launcher, running ``check_fork_safe`` before it starts the ranks
-    (at every ``fit``/``validate``, not at ``Trainer`` construction: CUDA may be touched in between)."""
-
-    def __init__(self, strategy: Any, start_method: Any, owner: str) -> None:
-        super().__init__(strategy, start_method=start_method)
-        self.owner = owner
-
-    @override
-    def launch(self, function: Any, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
-        devices = getattr(self._strategy, "parallel_devices", None) or []
-        check_fork_safe(self._start_method, self.owner, uses_cuda=any(d.type == "cuda" for d in devices))
-        return super().launch(function, *args, trainer=trainer, **kwargs)
-
-    @override
-    def _recover_results_in_main_process(self, worker_output: Any, trainer: Any) -> None:
-        # Lightning loads rank 0's weights with the device they were saved on: CUDA tensors would
-        # initialise CUDA in this process, and every later fork launch from it (the next fit in the
-        # notebook) would fail. Load them onto the CPU, where the model lives in this process.
-        if worker_output.weights_path is not None:
-            io = self._strategy.checkpoint_io
-            weights = io.load_checkpoint(worker_output.weights_path, map_location="cpu")
-            trainer.lightning_module.load_state_dict(weights, strict=False)
-            io.remove_checkpoint(worker_output.weights_path)
-            worker_output = worker_output._replace(weights_path=None)
-        super()._recover_results_in_main_process(worker_output, trainer)
-
-
-def checked_launcher(strategy: Any, launcher: Any, owner: str) -> Any:
-    """The launcher a DDP-family strategy should use in place of the one Lightning configured.
-
-    - Lightning's multiprocessing launcher (start methods fork, spawn, forkserver) in a process that
-      its cluster environment says was started by a launcher (torchrun's agent, ``run_elastic``,
-      SLURM, mpirun): None, so ``fit`` runs in this process. Launching would start a second copy of
-      every rank under it, which a restart of the agent does not reach.
-    - a ``fork`` launcher otherwise: a ``ForkCheckedLauncher`` (``check_fork_safe`` before each launch).
-    - anything else: unchanged.
-    """
-    if not isinstance(launcher, _MultiProcessingLauncher):
-        return launcher
-    environment = getattr(strategy, "cluster_environment", None)
-    if environment is not None and environment.creates_processes_externally:
-        logger.debug(
-            "%s: this process was started by %s; training runs in it (no %s launch)",
-            owner,
-            type(environment).__name__,
-            launcher._start_method,
-        )
-        return None
-    if launcher._start_method == "fork" and not isinstance(launcher, ForkCheckedLauncher):
-        return ForkCheckedLauncher(strategy, launcher._start_method, owner)
-    return launcher

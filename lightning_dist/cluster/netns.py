@@ -11,9 +11,9 @@ cluster with an automatic prefix whose process is gone.
         cluster.run_each([sys.executable, "train.py"], timeout=300)    # NODE_RANK, MASTER_ADDR ... set
         cluster.popen(0, ["mpirun", "-np", "2", *cluster.mpirun_args(), sys.executable, "hvd_train.py"])
 
-    python -m lightning_dist.launch.netns run --nodes 2 --rate-mbit 100 -- python train.py
-    python -m lightning_dist.launch.netns run --mpirun 2 -- python hvd_train.py
-    python -m lightning_dist.launch.netns up --prefix demo --rate-mbit 1000   # then: down --prefix demo
+    python -m lightning_dist.cluster.netns run --nodes 2 --rate-mbit 100 -- python train.py
+    python -m lightning_dist.cluster.netns run --mpirun 2 -- python hvd_train.py
+    python -m lightning_dist.cluster.netns up --prefix demo --rate-mbit 1000   # then: down --prefix demo
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import IO, Any, Optional, Union
+
+from typing_extensions import Self, override
 
 from lightning_dist.checks import check_int, check_number
 
@@ -196,7 +198,28 @@ conn.close()
 """
 
 
-class EmulatedCluster:
+class UpDown:
+    """``with thing:`` is ``thing.up()`` ... ``thing.down()``, the latter on errors too."""
+
+    def up(self) -> Self:
+        raise NotImplementedError
+
+    def down(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.up()
+
+    def __exit__(
+        self,
+        exc_type: Optional[type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.down()
+
+
+class EmulatedCluster(UpDown):
     """``nodes`` network namespaces joined by veth links, each link optionally capped at
     ``rate_mbit`` Mbit/s in each direction (``tc tbf``, ``burst``/``latency`` as given).
 
@@ -261,7 +284,8 @@ class EmulatedCluster:
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def up(self) -> EmulatedCluster:
+    @override
+    def up(self) -> Self:
         """Create the namespaces, links, addresses, caps and the mpirun agent; on any failure
         everything created so far is removed before the error propagates."""
         if self.is_up:
@@ -336,6 +360,7 @@ class EmulatedCluster:
             fh.write(script)
         os.chmod(self.agent, stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
 
+    @override
     def down(self) -> None:
         """Kill every process of the cluster and remove its namespaces and agent; idempotent."""
         errors: list[str] = []
@@ -357,19 +382,8 @@ class EmulatedCluster:
         if errors:
             raise RuntimeError(
                 f"{self!r}.down() left namespaces behind: {'; '.join(errors)}; remove them (as root) with "
-                f"`python -m lightning_dist.launch.netns down --prefix {self.prefix}`"
+                f"`python -m lightning_dist.cluster.netns down --prefix {self.prefix}`"
             )
-
-    def __enter__(self) -> EmulatedCluster:
-        return self.up()
-
-    def __exit__(
-        self,
-        exc_type: Optional[type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.down()
 
     # --- running things ----------------------------------------------------------------------
 
@@ -532,7 +546,7 @@ def _kill(proc: subprocess.Popen[Any]) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_dist.launch.netns",
+        prog="python -m lightning_dist.cluster.netns",
         description="Emulated multi-node cluster: network namespaces joined by veth links (root, iproute2).",
     )
     sub = parser.add_subparsers(dest="action", required=True)
@@ -571,7 +585,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             env = " ".join(f"{k}={v}" for k, v in node.env(cluster.master_port).items())
             print(f"node{node.rank}: ip netns exec {node.namespace}  ({env})")
         print("mpirun (inside node0):", shlex.join(cluster.mpirun_args()))
-        print(f"remove with: python -m lightning_dist.launch.netns down --prefix {cluster.prefix}")
+        print(f"remove with: python -m lightning_dist.cluster.netns down --prefix {cluster.prefix}")
         return 0
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
