@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_dist import collectives
 from lightning_dist.collectives import Communicator, SingleProcessBackend
@@ -334,10 +335,12 @@ def test_single_process_twin_is_identity_with_zero_bytes() -> None:
 
 
 def test_module_level_functions_default_to_single_process() -> None:
-    collectives.reset_stats()
+    assert not dist.is_initialized()
+    assert isinstance(collectives.world().backend, SingleProcessBackend)
+    collectives.world().stats.reset()
     t = torch.ones(3)
     assert torch.equal(collectives.all_reduce(t, "sum"), torch.ones(3))
-    assert collectives.stats().bytes_sent == 0
+    assert collectives.world().stats.calls == 0 and collectives.world().stats.bytes_sent == 0
 
 
 def test_unknown_op_names_accepted_values() -> None:

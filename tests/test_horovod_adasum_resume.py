@@ -18,7 +18,6 @@ import torch
 from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command
 from torch import nn
 
-from lightning_dist import collectives
 from lightning_dist.strategies.horovod_adasum import CHECKPOINT_KEY, HorovodAdasum
 
 # -- unit level: a stand-in backend, no processes ---------------------------------------------------
@@ -108,12 +107,12 @@ def test_old_or_other_world_size_checkpoint_warns_and_loads_rank0_state(entry: A
 
 
 def test_save_gathers_every_rank_state_on_cpu(tmp_path: Path) -> None:
-    """Rank 0 writes both ranks' states; with no transport installed (``trainer.save_checkpoint`` after
-    ``fit``'s teardown), the gather goes through the strategy's own backend."""
+    """Rank 0 writes both ranks' states; with no communicator made yet (no setup ran), the gather goes
+    through one the strategy makes from its own backend."""
     s0, s1 = adamw_state(0), adamw_state(1)
-    assert collectives.current().world_size == 1
     backend = FakeBackend(0, 2, sent={1: [s1]})
     strategy = strategy_on(backend)
+    assert strategy.communicator is None
     path = tmp_path / "x.ckpt"
     strategy.save_checkpoint({"optimizer_states": [s0], "state_dict": {}}, path)
     assert [src for _, src in backend.broadcasts] == [1], "one broadcast, from rank 1"

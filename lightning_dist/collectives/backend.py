@@ -177,6 +177,11 @@ class Backend(ABC):
     @abstractmethod
     def barrier(self) -> None: ...
 
+    def close(self) -> None:
+        """Stop the helper threads this backend started, once their work is done (they restart on
+        demand); the transport itself stays usable. The default has none."""
+        return None
+
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Broadcast a picklable object; the default pickles into a byte tensor."""
         if self.rank == src:

@@ -52,9 +52,6 @@ logger = logging.getLogger(__name__)
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
 
-PROCESS_STATS = CommStats()
-"""Counters shared by every communicator made without its own ``stats`` in this process."""
-
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
@@ -219,13 +216,22 @@ class _PostOrder:
         with self._cond:
             self._cond.wait_for(lambda: not self._busy())
 
+    def close(self) -> None:
+        """Stop this object's helper threads once their work is done (they restart on demand)."""
+        for completer in (self._poster, *self._workers):
+            completer.stop()
+
 
 class Communicator:
-    """All collectives over one ``Backend``; counts bytes and seconds into ``stats``."""
+    """All collectives over one ``Backend``; counts bytes and seconds into ``stats``.
+
+    ``stats``: the counters this communicator adds to; its own new ``CommStats`` by default (pass one
+    to share counters between communicators). ``close()`` stops the helper threads of this
+    communicator and of its backend, and no other; they restart if it is used again."""
 
     def __init__(self, backend: Backend, stats: Optional[CommStats] = None) -> None:
         self.backend = backend
-        self.stats = PROCESS_STATS if stats is None else stats
+        self.stats = CommStats() if stats is None else stats
         self._order = _PostOrder()
         self._adasum_calls = 0
 
@@ -240,6 +246,12 @@ class Communicator:
     def spans(self, group: Any) -> bool:
         """Whether a collective over this communicator answers for ``group`` (``Backend.spans``)."""
         return self.backend.spans(group)
+
+    def close(self) -> None:
+        """Stop the helper threads this communicator and its backend started, once the work already
+        handed to them is done (a strategy's teardown). A later call starts them again."""
+        self._order.close()
+        self.backend.close()
 
     # -- accounting -------------------------------------------------------------------------
     def timeout_context(self) -> dict[str, Any]:

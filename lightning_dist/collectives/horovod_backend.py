@@ -219,6 +219,10 @@ class HorovodBackend(Backend):
     def barrier(self) -> None:
         self.hvd.barrier()
 
+    @override
+    def close(self) -> None:
+        self._completer.stop()
+
     # -- Adasum -------------------------------------------------------------------------------------
     @override
     def check_all_reduce(self, op: str, device_type: str) -> None:

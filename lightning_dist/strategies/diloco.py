@@ -36,7 +36,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.checks import check_bool, check_int, check_number, check_positive, reject_unknown_options
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compat import _PATH
@@ -220,7 +219,7 @@ class DiLoCo(DDP):
         self.syncs = 0
         """Syncs so far (over the whole run, resumed ones included)."""
         self.sync_bytes = 0
-        """Bytes this rank sent for the pseudo-gradients in this process's syncs (collectives counters)."""
+        """Bytes this rank sent for the pseudo-gradients in this process's syncs (communicator counters)."""
         self.buffer_bytes = 0
         """Bytes this rank sent for the buffers in this process's syncs."""
         self._restored_per_rank = False
@@ -245,9 +244,10 @@ class DiLoCo(DDP):
         unless each rank's own weights were just restored from a checkpoint."""
         assert self.model is not None
         if not self._restored_per_rank:
+            comm = self._transport()
             with torch.no_grad():
                 for t in [*self.model.parameters(), *self.model.buffers()]:
-                    collectives.broadcast(t.detach(), 0)
+                    comm.broadcast(t.detach(), 0)
         self._restored_per_rank = False
         logger.debug("DiLoCo: no DistributedDataParallel; inner_steps=%d", self.inner_steps)
 
@@ -293,14 +293,15 @@ class DiLoCo(DDP):
         """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
         outer = self.outer
         assert outer is not None, "DiLoCo.sync: setup() has not run"
-        stats = collectives.stats()
+        comm = self._transport()
+        stats = comm.stats
         before = stats.bytes_sent
         outer.step(self._average(outer.pseudo_gradients()))
         middle = stats.bytes_sent
         if self.sync_buffers and self.lightning_module is not None:
             buffers = _persistent_float_buffers(self.lightning_module)
             for indices in _by_dtype(buffers).values():
-                collectives.all_reduce([buffers[i] for i in indices], "avg")
+                comm.all_reduce([buffers[i] for i in indices], "avg")
         self.sync_bytes += middle - before
         self.buffer_bytes += stats.bytes_sent - middle
         self.inner_step = 0
@@ -308,7 +309,7 @@ class DiLoCo(DDP):
 
     def _average(self, deltas: list[Tensor]) -> list[Tensor]:
         """The ranks' average of ``deltas`` through the compressor (one exchange per dtype)."""
-        comm = collectives.current()
+        comm = self._transport()
         out: list[Optional[Tensor]] = [None] * len(deltas)
         for dtype, indices in _by_dtype(deltas).items():
             ex = self.compressor.exchange(
@@ -349,8 +350,9 @@ class DiLoCo(DDP):
             }
         )
         ranks = [own]
+        comm = self._transport()
         for r in range(1, self.world_size):  # rank 0 keeps at most one other rank's state at a time
-            got = collectives.broadcast_object(own if self.global_rank == r else None, r)
+            got = comm.broadcast_object(own if self.global_rank == r else None, r)
             if self.is_global_zero:
                 ranks.append(got)
         if not self.is_global_zero:

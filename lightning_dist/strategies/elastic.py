@@ -41,7 +41,6 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.checks import check_bool, check_choice, check_int
 from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
@@ -213,7 +212,7 @@ class ElasticMixin(_MixinBase):
         self.writer = BackgroundWriter(self.store) if self.background_commits else None
         commit = self.store.load_latest()
         step = None if commit is None else commit.step
-        steps = collectives.all_gather(torch.tensor([-1 if step is None else step]))
+        steps = self._transport().all_gather(torch.tensor([-1 if step is None else step]))
         if len({int(s) for s in steps}) != 1:
             raise RuntimeError(
                 f"Elastic: ranks found different newest commits in {dirpath} "
@@ -257,7 +256,7 @@ class ElasticMixin(_MixinBase):
         # a resumed run loads the commit before setup() compares the ranks' models: compare first,
         # so a rank with another model gets the same clear error as every other rank
         assert self.lightning_module is not None
-        check_same_model(self.lightning_module, type(self).__name__)
+        check_same_model(self.lightning_module, type(self).__name__, self._transport())
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
@@ -332,9 +331,9 @@ class ElasticMixin(_MixinBase):
         """Write a commit of the state after the current optimizer step (called on every rank)."""
         assert self.store is not None and self.sampler is not None and self.plan is not None
         own = {"rng": capture_rng_state(), **self._commit_rank_state()}
+        comm = self._transport()
         ranks = [
-            collectives.broadcast_object(own if self.global_rank == r else None, r)
-            for r in range(self.world_size)
+            comm.broadcast_object(own if self.global_rank == r else None, r) for r in range(self.world_size)
         ]
         entries = self._commit_entries(ranks)  # collective: every rank calls it
         if self.global_rank != 0:

@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
@@ -108,7 +107,7 @@ class HorovodAdasum(HorovodBase):
         with torch.no_grad():
             updates = [p.detach() for p in params]
             torch._foreach_sub_(updates, start)  # each parameter now holds its update
-            collectives.all_reduce(updates, "adasum")
+            self._transport().all_reduce(updates, "adasum")
             torch._foreach_add_(updates, start)
             torch._foreach_copy_(start, updates)
         return result
@@ -134,10 +133,7 @@ class HorovodAdasum(HorovodBase):
         """On rank 0: every rank's ``states`` (on CPU), in rank order; on the others: [] (all ranks call it).
 
         One object broadcast per rank after rank 0; a rank keeps at most one other rank's states at a time."""
-        comm = collectives.current()
-        if comm.world_size != self.world_size:
-            # ``trainer.save_checkpoint`` after ``fit``: teardown uninstalled this strategy's transport
-            comm = collectives.Communicator(self.backend)
+        comm = self._backend_communicator()  # after ``fit`` too (``trainer.save_checkpoint``)
         own = to_cpu(list(states))
         ranks = [own]
         for r in range(1, self.world_size):
