@@ -19,6 +19,9 @@ from lightning.pytorch.accelerators import CPUAccelerator
 
 from lightning_dist import DDP, collectives
 from lightning_dist.collectives import Communicator, TorchBackend
+from lightning_dist.collectives import completer as completer_mod
+from lightning_dist.collectives.adasum import adasum_reference
+from lightning_dist.collectives.completer import Completer
 
 PACKAGE = ROOT / "lightning_dist"
 USER_CONVENIENCE = {name for name in collectives.__all__ if name[0].islower()} - {
@@ -130,3 +133,39 @@ def test_two_strategies_in_one_process_count_separately() -> None:
     for snap_a, snap_b in _on_ranks(2, body):
         assert snap_a["calls"] == 1 and snap_a["bytes_sent"] == 16  # a ring at W=2 sends N bytes
         assert snap_b["calls"] == 2 and snap_b["bytes_sent"] == 400 and snap_b["barrier.calls"] == 1
+
+
+def test_teardown_stops_only_its_own_communicators_threads(monkeypatch: Any) -> None:
+    """Strategy a's teardown stops the helper threads of a's communicator (Adasum lanes, Gloo
+    point-to-point waits) and leaves b's running, with b's Adasum in flight across it."""
+    monkeypatch.setattr(completer_mod, "IDLE_S", 30.0)  # idle threads stay up while the test looks
+    groups = _groups(2, ("a", "b"))
+
+    def threads(comm: Communicator) -> list[Completer]:
+        assert isinstance(comm.backend, TorchBackend)
+        return [*comm._lanes._workers, *comm.backend._completers.values()]
+
+    def body(r: int) -> tuple[list[bool], list[bool], torch.Tensor, torch.Tensor]:
+        a = _strategy(Communicator(TorchBackend(groups[r]["a"])))
+        b = _strategy(Communicator(TorchBackend(groups[r]["b"])))
+        assert a.communicator is not None and b.communicator is not None
+        for comm in (a.communicator, b.communicator):  # two calls: both lanes and their tags at work
+            futs = [comm.all_reduce_async([torch.full((8,), float(r + i))], "adasum") for i in range(2)]
+            for fut in futs:
+                fut.wait()
+        late = b.communicator.all_reduce_async([torch.full((8,), float(r))], "adasum")
+        a.teardown()
+        a_running = [c.running for c in threads(a.communicator)]
+        b_running = [c.running for c in threads(b.communicator)]
+        got = late.wait()[0]
+        summed = b.communicator.all_reduce(torch.ones(3))  # b still works
+        b.teardown()
+        assert not any(c.running for c in threads(b.communicator)), "b's own teardown stops b's threads"
+        return a_running, b_running, got, summed
+
+    for a_running, b_running, got, summed in _on_ranks(2, body):
+        assert len(a_running) == len(b_running) == 4, "two lanes and two point-to-point tags each"
+        assert not any(a_running), "a's teardown stops a's threads"
+        assert all(b_running), "a's teardown leaves b's threads running"
+        torch.testing.assert_close(got, adasum_reference([torch.zeros(8), torch.ones(8)]))
+        assert torch.equal(summed, torch.full((3,), 2.0))

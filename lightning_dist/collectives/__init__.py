@@ -115,8 +115,8 @@ def all_gather(tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
     return world().all_gather(tensor, same_shape)
 
 
-def all_gather_async(tensor: Tensor, same_shape: bool = False) -> Future:
-    return world().all_gather_async(tensor, same_shape)
+def all_gather_async(tensor: Tensor) -> Future:
+    return world().all_gather_async(tensor)
 
 
 def reduce_scatter(tensor: TensorOrList, op: str = "sum") -> Tensor:
@@ -127,12 +127,12 @@ def reduce_scatter_async(tensor: TensorOrList, op: str = "sum") -> Future:
     return world().reduce_scatter_async(tensor, op)
 
 
-def all_to_all(inputs: Sequence[Tensor]) -> list[Tensor]:
-    return world().all_to_all(inputs)
+def all_to_all(inputs: Sequence[Tensor], output_rows: Optional[Sequence[int]] = None) -> list[Tensor]:
+    return world().all_to_all(inputs, output_rows)
 
 
-def all_to_all_async(inputs: Sequence[Tensor]) -> Future:
-    return world().all_to_all_async(inputs)
+def all_to_all_async(inputs: Sequence[Tensor], output_rows: Sequence[int]) -> Future:
+    return world().all_to_all_async(inputs, output_rows)
 
 
 def barrier() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,9 +13,6 @@ from torch import Tensor
 from torch.futures import Future
 
 from lightning_dist.collectives.accounting import ring_all_reduce_bytes
-
-if TYPE_CHECKING:
-    from lightning_dist.collectives.communicator import Communicator
 
 ReduceOp = Literal["sum", "avg", "min", "max", "adasum"]
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "adasum")
@@ -129,18 +126,10 @@ class Backend(ABC):
         default is a ring all-reduce."""
         return ring_all_reduce_bytes(nbytes, self.world_size)
 
-    def hold_completions(self) -> None:
-        """Delay waiting for posted operations (``Communicator.completions_held``); the default
-        waits as usual (nothing to hold)."""
-        return None
-
-    def release_completions(self) -> None:
-        """Wait for posted operations again."""
-        return None
-
-    def native_adasum(self, comm: Communicator, tensors: list[Tensor]) -> Optional[list[Tensor]]:
-        """The transport's own Adasum of ``tensors`` in place, counting its bytes into ``comm``;
-        ``None`` (the default) means it has none and the library's Adasum runs instead."""
+    def native_adasum(self, tensors: list[Tensor]) -> Optional[tuple[int, int]]:
+        """The transport's own Adasum of ``tensors`` in place, returning the bytes this rank sent and
+        received (its communicator counts them); ``None`` (the default) means it has none and the
+        library's Adasum (``adasum.adasum_all_reduce``) runs instead."""
         return None
 
     @abstractmethod

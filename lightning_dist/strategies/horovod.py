@@ -120,7 +120,7 @@ class Horovod(HorovodBase):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         # The gradients' all-reduces start in their hooks during backward; waiting for them there
         # would spin beside the backward pass (as Horovod's optimizer does, wait once it is done).
-        with self._transport().completions_held():
+        with self.backend.completions_held():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _wait_for_gradients(self) -> None:

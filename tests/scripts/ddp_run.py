@@ -50,7 +50,8 @@ def main() -> None:
     trainer.fit(model)  # the strategy's communicator, made at setup, counts from zero
     hook_state = getattr(trainer.strategy, "hook_state", None)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    snapshot = trainer.strategy.communicator.stats.snapshot()
+    comm = getattr(trainer.strategy, "communicator", None)  # Lightning's "ddp" has none
+    snapshot = comm.stats.snapshot() if comm is not None else {}
     save_fitted(
         a.out,
         trainer,
