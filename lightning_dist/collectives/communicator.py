@@ -30,6 +30,7 @@ import logging
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -42,7 +43,13 @@ from lightning_dist.collectives.accounting import CommStats
 from lightning_dist.collectives.adasum import AdasumLanes, adasum_all_reduce, check_adasum_dtypes
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
 from lightning_dist.collectives.futures import completed_future
-from lightning_dist.collectives.timeouts import naming_timeouts
+from lightning_dist.collectives.timeouts import (
+    CollectiveTimeout,
+    add_timeout_note,
+    is_timeout,
+    naming_timeouts,
+    translate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +83,8 @@ class Communicator:
         self.backend = backend
         self.stats = CommStats() if stats is None else stats
         self._lanes = AdasumLanes()
+        self._timeouts: deque[CollectiveTimeout] = deque(maxlen=8)
+        """The last ``CollectiveTimeout``s raised by this communicator's operations, any thread."""
 
     @property
     def rank(self) -> int:
@@ -108,10 +117,38 @@ class Communicator:
         }
 
     def _wait(self, fut: Future, op: str, detail: str = "") -> Any:
-        """``fut.wait()``, a timeout raised as ``CollectiveTimeout`` (torch re-wraps an exception
-        raised in a future callback as a plain ``RuntimeError``; this gives blocking calls the type)."""
-        with naming_timeouts(op, detail=detail, **self.timeout_context()):
+        """``fut.wait()``; a timeout raised as ``CollectiveTimeout`` naming ``op`` and ``detail``,
+        from the transport's error. The operation's completion callback raised it already, but torch
+        hands an exception raised in a callback to the waiter as a plain ``RuntimeError`` holding its
+        text: the one it recorded is raised again here, with its type."""
+        try:
             return fut.wait()
+        except CollectiveTimeout:
+            raise
+        except Exception as exc:
+            known = self._recorded(op, detail) if is_timeout(exc) else None
+            if known is not None:
+                raise CollectiveTimeout(str(known), op, known.timeout_s, detail) from (known.__cause__ or exc)
+            new = translate(exc, op, detail=detail, **self.timeout_context())
+            if new is exc:
+                raise
+            raise new from exc
+
+    def _recorded(self, op: str, detail: str) -> Optional[CollectiveTimeout]:
+        """The latest recorded timeout of the collective ``op`` moving ``detail``, if any."""
+        return next((t for t in reversed(self._timeouts) if (t.op, t.detail) == (op, detail)), None)
+
+    def note_timeout(self, exc: BaseException) -> bool:
+        """A strategy's ``on_exception``: add a note to ``exc`` when it reports a timed-out
+        collective (``timeouts.add_timeout_note``): the last timeout of this communicator's own
+        operations, else what torch was doing, with this transport's timeout. ``exc``'s type and
+        args stay. Returns whether ``exc`` has such a note now."""
+        try:
+            context = self.timeout_context() if self.world_size > 1 else {}
+        except Exception:  # noqa: BLE001  (a broken transport: a note without it)
+            context = {}
+        recorded = self._timeouts[-1] if self._timeouts else None
+        return add_timeout_note(exc, recorded, **context)
 
     def _timed(
         self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
@@ -135,6 +172,7 @@ class Communicator:
             raise
         stats.add(op, sent, received)
         context = self.timeout_context()
+        record = self._timeouts.append
         if rec is not None:
             rank, world_size, thread = self.rank, self.world_size, threading.current_thread().name
 
@@ -146,7 +184,7 @@ class Communicator:
             stats.leave(end)
             if rec is not None:
                 rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail)
-            with naming_timeouts(op, detail=detail, **context):
+            with naming_timeouts(op, record, detail=detail, **context):
                 return f.value()
 
         return fut.then(_done)
@@ -242,7 +280,8 @@ class Communicator:
         """Adasum in place (the transport's own where it has one), counted under ``adasum``."""
         if not tensors:
             return
-        with naming_timeouts("all_reduce", detail=_describe(tensors, "adasum"), **self.timeout_context()):
+        detail = _describe(tensors, "adasum")
+        with naming_timeouts("all_reduce", self._timeouts.append, detail=detail, **self.timeout_context()):
             start = time.perf_counter()
             moved = self.backend.native_adasum(tensors)
             sent, received = moved if moved is not None else adasum_all_reduce(self.backend, tensors, tag)
@@ -269,7 +308,8 @@ class Communicator:
             return obj
         self._lanes.wait_idle()
         start = time.perf_counter_ns()
-        with naming_timeouts("broadcast_object", detail=f"from rank {src}", **self.timeout_context()):
+        context = self.timeout_context()
+        with naming_timeouts("broadcast_object", self._timeouts.append, detail=f"from rank {src}", **context):
             result = self.backend.broadcast_object(obj, src)
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
@@ -443,7 +483,7 @@ class Communicator:
             return
         self._lanes.wait_idle()
         start = time.perf_counter_ns()
-        with naming_timeouts("barrier", **self.timeout_context()):
+        with naming_timeouts("barrier", self._timeouts.append, **self.timeout_context()):
             self.backend.barrier()
         self.stats.add("barrier", 0, 0, (time.perf_counter_ns() - start) / 1e9)
         self.stats.add_busy((time.perf_counter_ns() - start) / 1e9)

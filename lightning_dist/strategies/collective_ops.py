@@ -66,6 +66,13 @@ class CollectiveOpsMixin(Strategy):
         return Communicator(SingleProcessBackend()) if comm is None else comm
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Before Lightning re-raises ``exception``: a note on it when it reports a timed-out
+        collective (which one, the timeout, what to do; ``Communicator.note_timeout``)."""
+        self._transport().note_timeout(exception)
+        super().on_exception(exception)
+
+    @override
     def reduce(
         self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"
     ) -> Union[Tensor, Any]:

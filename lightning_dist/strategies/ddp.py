@@ -19,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.collectives import Communicator, TorchBackend
-from lightning_dist.collectives.timeouts import explain
 from lightning_dist.compat import _IS_INTERACTIVE, _init_dist_connection, _SubprocessScriptLauncher
 from lightning_dist.launch.fork_check import checked_launcher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
@@ -216,12 +215,6 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        comm = self.communicator
-        try:
-            context = comm.timeout_context() if comm is not None and comm.world_size > 1 else {}
-        except Exception:  # noqa: BLE001  (a broken transport: explain without it)
-            context = {}
-        explain(exception, **context)  # name a timed-out collective and the timeout
         if isinstance(self.launcher, _SubprocessScriptLauncher):
             # rank 0 of Lightning's launcher: its child ranks must not outlive it. Ranks that hit the
             # same error end by themselves (and report it); a stopped or hung one is killed.
