@@ -416,8 +416,8 @@ class AdasumLanes:
     def wait_idle(self) -> None:
         """Block until every call submitted so far has returned. From a lane's own thread (a
         callback of an Adasum result) it returns at once: that lane's later calls wait for it."""
-        if any(worker.is_current() for worker in self._workers):
-            return
+        if self._in_flight == 0 or any(worker.is_current() for worker in self._workers):
+            return  # (the count is read unlocked: this thread's own calls were counted when submitted)
         with self._cond:
             self._cond.wait_for(lambda: self._in_flight == 0)
 

@@ -166,37 +166,21 @@ def timeout_message(
     )
 
 
-def translate(
-    exc: BaseException,
-    op: str,
-    *,
-    detail: str = "",
-    transport: str = "",
-    timeout_s: Optional[float] = None,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
-) -> BaseException:
+def translate(exc: BaseException, op: str, **context: Any) -> BaseException:
     """A new ``CollectiveTimeout`` when ``exc`` (the error of a collective this pack posted) reports
     a timeout, else ``exc`` itself; one that already is a ``CollectiveTimeout`` is returned as is.
 
-    ``op`` names the collective (``all_reduce``, ``broadcast``, ...), ``detail`` adds what it was
-    moving (reduction, element count and dtype), ``transport`` the process group's backend
-    (``gloo``, ``nccl``), ``timeout_s`` its configured timeout in seconds. The new error quotes the
-    transport's words and has ``exc`` as its ``__cause__``.
+    ``op`` names the collective (``all_reduce``, ``broadcast``, ...); ``context`` is what
+    ``timeout_message`` takes: ``detail`` (what it was moving: reduction, element count and dtype),
+    ``transport`` (the process group's backend: ``gloo``, ``nccl``), ``timeout_s`` (its configured
+    timeout in seconds), ``rank`` and ``world_size``. The new error quotes the transport's words and
+    has ``exc`` as its ``__cause__``.
     """
     found = _timed_out(exc)
     if found is None or isinstance(exc, CollectiveTimeout):
         return exc
-    message = timeout_message(
-        op,
-        detail=detail,
-        transport=transport,
-        timeout_s=timeout_s,
-        rank=rank,
-        world_size=world_size,
-        cause=transport_text(found),
-    )
-    new = CollectiveTimeout(message, op, timeout_s, detail)
+    message = timeout_message(op, cause=transport_text(found), **context)
+    new = CollectiveTimeout(message, op, context.get("timeout_s"), context.get("detail", ""))
     new.__cause__ = exc
     return new
 
