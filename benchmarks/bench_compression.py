@@ -29,7 +29,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from typing_extensions import override
 
-from lightning_dist import DDP, Compressed, collectives
+from lightning_dist import DDP, Compressed
 from lightning_dist.compression import reference_bytes
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
@@ -105,11 +105,11 @@ class Meter(L.Callback):
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
-        self._before = collectives.stats().bytes_sent
+        self._before = trainer.strategy.communicator.stats.bytes_sent
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.grad_bytes.append(collectives.stats().bytes_sent - self._before)
+        self.grad_bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._before)
 
     @override
     def on_train_batch_end(

@@ -100,13 +100,13 @@ def worker(a: argparse.Namespace) -> None:
             self._b = 0
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-            self._t, self._b = time.perf_counter(), collectives.stats().bytes_sent
+            self._t, self._b = time.perf_counter(), trainer.strategy.communicator.stats.bytes_sent
 
         def on_train_batch_end(
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
         ) -> None:
             self.seconds.append(time.perf_counter() - self._t)
-            self.bytes.append(collectives.stats().bytes_sent - self._b)
+            self.bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._b)
 
     DILOCO_OUTER.clear()
     DILOCO_OUTER.update(json.loads(a.diloco_options))

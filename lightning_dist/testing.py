@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from lightning_dist.collectives import CommStats, Communicator, TorchBackend
+from lightning_dist.collectives import Communicator, TorchBackend
 
 T = TypeVar("T")
 
@@ -24,8 +24,9 @@ FAILURE_GRACE_S = 5.0
 def run_in_threads(world_size: int, fn: Callable[[Communicator], T], timeout: float = 60.0) -> list[T]:
     """Call ``fn(comm)`` on ``world_size`` ranks at once; returns results in rank order.
 
-    Each rank gets its own ``ProcessGroupGloo`` and its own ``CommStats``. The whole call has one
-    deadline, ``timeout`` seconds from now: ranks still running then raise ``TimeoutError`` here.
+    Each rank gets its own ``ProcessGroupGloo`` and its own communicator (with its own ``stats``).
+    The whole call has one deadline, ``timeout`` seconds from now: ranks still running then raise
+    ``TimeoutError`` here.
     When a rank raises, the first failure is re-raised here; the failing rank's frames are cleared
     so that its group closes, and ranks blocked on it fail at once instead of waiting out the
     timeout. Gloo cannot abort an operation in flight (``abort()`` does nothing on it), so a rank
@@ -50,8 +51,7 @@ def run_in_threads(world_size: int, fn: Callable[[Communicator], T], timeout: fl
                         dist.ProcessGroupGloo(
                             dist.PrefixStore(prefix, store), r, world_size, timedelta(seconds=timeout)
                         )
-                    ),
-                    stats=CommStats(),
+                    )
                 )
             )
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)

@@ -65,7 +65,7 @@ def main() -> int:
     check("adasum fp32", got[0], want[0], 1e-4)
     check("adasum bf16", got[1], want[1], 2e-2)
     collectives.barrier()
-    print(f"[rank {rank}] stats {collectives.stats().snapshot()['bytes_sent']} bytes sent", flush=True)
+    print(f"[rank {rank}] stats {collectives.world().stats.snapshot()['bytes_sent']} bytes sent", flush=True)
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_dist.collectives import Communicator, SingleProcessBackend, TorchBackend
+from lightning_dist.collectives import Backend, Communicator, SingleProcessBackend, TorchBackend, trace
 from lightning_dist.collectives import adasum as adasum_mod
 from lightning_dist.collectives import communicator as communicator_mod
 from lightning_dist.collectives.adasum import adasum_all_reduce, adasum_pair, adasum_reference
@@ -277,18 +277,18 @@ def traced_adasum(
     second_started: dict[int, threading.Event] = {}
     overlapped: dict[int, bool] = {}
 
-    def traced(comm: Communicator, tensors: list[torch.Tensor], *tag_arg: int) -> Any:
+    def traced(backend: Backend, tensors: list[torch.Tensor], *tag_arg: int) -> Any:
         call, tag = tensors[0].shape[0] - 2, (tag_arg or (adasum_mod.ADASUM_TAG,))[0]
         with lock:
-            log.append((comm.rank, "start", call, tag))
-            started = second_started.setdefault(comm.rank, threading.Event())
+            log.append((backend.rank, "start", call, tag))
+            started = second_started.setdefault(backend.rank, threading.Event())
         if call == 1:
             started.set()
         if call == 0 and hold_first:
-            overlapped[comm.rank] = started.wait(5.0)
-        out = real(comm, tensors, *tag_arg)
+            overlapped[backend.rank] = started.wait(5.0)
+        out = real(backend, tensors, *tag_arg)
         with lock:
-            log.append((comm.rank, "end", call, tag))
+            log.append((backend.rank, "end", call, tag))
         return out
 
     monkeypatch.setattr(communicator_mod, "adasum_all_reduce", traced)
@@ -385,6 +385,67 @@ def test_adasums_run_one_at_a_time_where_tags_are_not_independent(monkeypatch: p
     check_three_adasums(2, results)
 
 
+def _slow_exchanges(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    real_run = adasum_mod._FlatAdasum.run
+
+    def slow_run(self: Any) -> None:
+        time.sleep(seconds)
+        real_run(self)
+
+    monkeypatch.setattr(adasum_mod._FlatAdasum, "run", slow_run)
+
+
+def test_a_call_after_adasums_is_posted_once_they_have_returned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An all-reduce posted while two Adasum calls run waits for both (on every rank it is posted
+    after them: one order everywhere), and the caller went on while they ran."""
+    _slow_exchanges(monkeypatch, 0.2)
+
+    def body(comm: Communicator) -> float:
+        start = time.perf_counter()
+        futs = [comm.all_reduce_async(rank_tensors(comm.rank), op="adasum") for _ in range(2)]
+        returned = time.perf_counter() - start
+        futs.append(comm.all_reduce_async(torch.ones(3), "sum"))
+        for fut in futs:
+            fut.wait()
+        return returned
+
+    with trace.recording() as rec:
+        returned = run_in_threads(2, body)
+    assert max(returned) < 0.2, "the Adasum calls run on their lanes, not in the caller"
+    for rank in (0, 1):
+        events = [e for e in rec.events if e.rank == rank]
+        adasums = [e for e in events if e.op == "adasum"]
+        (summed,) = [e for e in events if e.op == "all_reduce"]
+        assert len(adasums) == 2 and summed.start_ns >= max(e.end_ns for e in adasums)
+
+
+def test_a_callback_of_an_adasum_may_post_while_the_next_one_waits_in_its_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One lane (tags not independent): an all-reduce posted from the first Adasum's completion
+    callback, on the lane's thread, goes out at once, before the second Adasum queued behind it in
+    that lane (waiting for the lane would never end)."""
+    _slow_exchanges(monkeypatch, 0.2)
+
+    def body(comm: Communicator) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        assert isinstance(comm.backend, TorchBackend)
+        serial = Communicator(SerialTagsBackend(comm.backend.group))
+        posted: list[Future] = []
+        first = serial.all_reduce_async(rank_tensors(comm.rank), op="adasum")
+        first.then(lambda _: posted.append(serial.all_reduce_async(torch.ones(2), "sum")))
+        second = serial.all_reduce_async(rank_tensors(comm.rank + 10), op="adasum")
+        second.wait()
+        first.wait()
+        return posted[0].wait(), second.value()
+
+    results = run_in_threads(2, body, timeout=30)
+    reference = adasum_reference([rank_tensors(r + 10) for r in range(2)])
+    for summed, second in results:
+        assert torch.equal(summed, torch.full((2,), 2.0))
+        for out, ref in zip(second, reference, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 def vhdd_bytes(n: int, elsize: int, ntensors: int, rank: int, world: int) -> int:
     """Bytes ``rank`` sends in the exchange for one fused buffer of ``n`` elements."""
     p2 = 1 << (world.bit_length() - 1)
@@ -426,7 +487,7 @@ def test_module_level_all_reduce_and_world_size_one() -> None:
     t = torch.arange(3.0)
     assert comm.all_reduce(t, op="adasum") is t
     torch.testing.assert_close(t, torch.arange(3.0))
-    assert adasum_all_reduce(comm, [t]) == [t]
+    assert adasum_all_reduce(comm.backend, [t]) == (0, 0), "nothing crosses a wire"
     assert comm.stats.bytes_sent == 0
 
 

@@ -1,7 +1,7 @@
 """A timed-out collective names itself and the configured timeout.
 
-Fast tests: the translation of transport errors (``lightning_dist.collectives.timeouts``) and real
-timeouts over in-process Gloo groups (threads). Slow tests: one rank of a two-process DDP fit stops
+Fast tests: the translation of transport errors and the notes on foreign ones
+(``lightning_dist.collectives.timeouts``), and real timeouts over in-process Gloo groups (threads). Slow tests: one rank of a two-process DDP fit stops
 (SIGSTOP); the other rank fails within the process-group timeout plus a margin with an error that
 names the collective and the timeout, and no process is left behind.
 """
@@ -26,9 +26,14 @@ import torch
 import torch.distributed as dist
 from helpers import SCRIPTS, spawned
 
-from lightning_dist import collectives
-from lightning_dist.collectives import CollectiveTimeout, CommStats, Communicator, TorchBackend
-from lightning_dist.collectives.timeouts import explain, is_timeout, translate, transport_text
+from lightning_dist.collectives import (
+    CollectiveTimeout,
+    CommStats,
+    Communicator,
+    SingleProcessBackend,
+    TorchBackend,
+)
+from lightning_dist.collectives.timeouts import add_timeout_note, is_timeout, translate, transport_text
 
 GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete"
 NCCL_TIMEOUT = (
@@ -78,25 +83,27 @@ def test_a_timeout_becomes_collective_timeout_naming_op_and_timeout(text: str) -
 def test_other_errors_pass_unchanged(exc: BaseException) -> None:
     assert translate(exc, "all_reduce", **CONTEXT) is exc
     args = exc.args
-    assert explain(exc, **CONTEXT) is False and exc.args == args
+    assert add_timeout_note(exc, **CONTEXT) is False and exc.args == args
+    assert not hasattr(exc, "__notes__"), "no note"
 
 
-def test_explain_leaves_other_timeouts_alone() -> None:
+def test_no_note_on_other_timeouts() -> None:
     exc = RuntimeError("DataLoader timed out after 5 seconds")
-    assert explain(exc, **CONTEXT) is False and str(exc) == "DataLoader timed out after 5 seconds"
+    assert add_timeout_note(exc, **CONTEXT) is False and str(exc) == "DataLoader timed out after 5 seconds"
+    assert not hasattr(exc, "__notes__")
 
 
-def test_a_rewrapped_collective_timeout_keeps_its_message() -> None:
+def test_a_rewrapped_collective_timeout_gets_the_recorded_message_as_its_note() -> None:
     first = translate(
         RuntimeError(GLOO_TIMEOUT), "recv", detail="3 float32 elements from rank 1, tag 0", **CONTEXT
     )
-    assert isinstance(first, CollectiveTimeout)
-    rewrapped = RuntimeError(
-        f"Got the following error when running the callback: CollectiveTimeout: {first}\n\nAt:\n  t.py(1): f\n"
-    )
+    assert isinstance(first, CollectiveTimeout) and first.detail == "3 float32 elements from rank 1, tag 0"
+    text = f"Got the following error when running the callback: CollectiveTimeout: {first}\n\nAt:\n  t.py(1): f\n"
+    rewrapped = RuntimeError(text)
     assert is_timeout(rewrapped)
-    again = translate(rewrapped, "adasum", **CONTEXT)
-    assert isinstance(again, CollectiveTimeout) and str(again) == str(first)
+    assert add_timeout_note(rewrapped, first, **CONTEXT) is True
+    assert rewrapped.args == (text,) and rewrapped.__notes__ == [str(first)], "args kept, one note added"
+    assert add_timeout_note(rewrapped, first, **CONTEXT) is True and len(rewrapped.__notes__) == 1, "once"
     assert translate(first, "other", **CONTEXT) is first
 
 
@@ -109,7 +116,7 @@ def test_unknown_timeout_and_transport_still_say_what_to_do() -> None:
     assert "raise the strategy's timeout=" in str(err)
 
 
-def test_explain_rewrites_in_place_and_names_torch_ddps_own_collective() -> None:
+def test_a_foreign_timeout_keeps_its_args_and_gets_a_note_naming_torch_ddps_own_collective() -> None:
     # a function of that name in a torch.nn.parallel file, as torch DDP's buffer broadcast is
     namespace: dict[str, Any] = {}
     code = f"def _distributed_broadcast_coalesced():\n    raise RuntimeError({GLOO_TIMEOUT!r})\n"
@@ -117,27 +124,26 @@ def test_explain_rewrites_in_place_and_names_torch_ddps_own_collective() -> None
     with pytest.raises(RuntimeError) as info:
         namespace["_distributed_broadcast_coalesced"]()
     exc = info.value
-    assert explain(exc, **CONTEXT) is True
-    assert type(exc) is RuntimeError, "the type stays: Lightning re-raises this very exception"
-    assert str(exc).startswith(
-        "the broadcast of module buffers by torch DDP (broadcast_buffers=True) timed out"
-    )
-    assert "timeout of 5 s" in str(exc) and "Timed out waiting 5000ms" in str(exc)
+    assert add_timeout_note(exc, **CONTEXT) is True
+    assert type(exc) is RuntimeError and exc.args == (GLOO_TIMEOUT,), "type and args stay"
+    (note,) = exc.__notes__
+    assert note.startswith("the broadcast of module buffers by torch DDP (broadcast_buffers=True) timed out")
+    assert "timeout of 5 s" in note and "Timed out waiting 5000ms" in note and "\n" not in note
 
-    hook_error = RuntimeError(
-        callback_wrapped("CollectiveTimeout: collective all_reduce (avg, 8 float32 elements) timed out", 1)
-    )
-    assert explain(hook_error) is True
-    assert str(hook_error) == "collective all_reduce (avg, 8 float32 elements) timed out"
+    text = callback_wrapped("CollectiveTimeout: collective all_reduce (avg, 8 float32 elements) timed out", 1)
+    hook_error = RuntimeError(text)
+    recorded = CollectiveTimeout("collective all_reduce (avg, 8 float32 elements) timed out", "all_reduce")
+    assert add_timeout_note(hook_error, recorded) is True
+    assert hook_error.args == (text,) and hook_error.__notes__ == [str(recorded)]
 
 
-def test_explain_timeout_without_a_transport_still_explains() -> None:
+def test_a_note_without_a_transport_still_explains() -> None:
     exc = RuntimeError(callback_wrapped(GLOO_TIMEOUT))
-    assert collectives.explain_timeout(exc) is True
-    assert str(exc).startswith(
-        "a collective timed out: it did not complete within the process group's timeout ("
-    )
-    assert "Timed out waiting 5000ms" in str(exc) and "raise the strategy's timeout=" in str(exc)
+    assert Communicator(SingleProcessBackend()).note_timeout(exc) is True  # a strategy before setup
+    assert exc.args == (callback_wrapped(GLOO_TIMEOUT),)
+    (note,) = exc.__notes__
+    assert note.startswith("a collective timed out: it did not complete within the process group's timeout (")
+    assert "Timed out waiting 5000ms" in note and "raise the strategy's timeout=" in note
 
 
 # -- real timeouts over in-process Gloo groups --------------------------------------------------------
@@ -204,6 +210,9 @@ def test_a_peer_that_never_joins_raises_collective_timeout(name: str) -> None:
     assert str(err).startswith(start), str(err)
     assert "on rank 0 of 2 over gloo" in str(err) and "timeout of 1 s" in str(err)
     assert err.timeout_s == 1.0
+    cause = err.__cause__
+    assert cause is not None and not isinstance(cause, CollectiveTimeout), "raised from the transport's error"
+    assert "Timed out waiting 1000ms" in transport_text(cause) and "CollectiveTimeout" not in str(cause)
 
 
 def test_an_async_future_carries_the_message() -> None:
@@ -212,6 +221,38 @@ def test_an_async_future_carries_the_message() -> None:
     assert type(err) is RuntimeError and is_timeout(err)
     assert "CollectiveTimeout: collective all_reduce (sum, 3 float32 elements)" in str(err)
     assert "timeout of 1 s" in str(err)
+
+
+def test_a_strategy_notes_a_foreign_error_with_its_communicators_timeout() -> None:
+    """What reaches ``on_exception`` after a DDP comm hook's future timed out: torch's re-wrapped
+    ``RuntimeError``. It keeps its type and args; the note is the collective that timed out."""
+    got: dict[str, Any] = {}
+
+    def hook_then_reducer(comm: Communicator) -> None:
+        got["comm"] = comm
+        comm.all_reduce_async(torch.ones(3), "avg").then(lambda f: f.value()).wait()
+
+    err = _rank0_fails(hook_then_reducer)
+    args = err.args
+    assert type(err) is RuntimeError and is_timeout(err)
+    assert got["comm"].note_timeout(err) is True
+    assert err.args == args
+    (note,) = err.__notes__
+    assert note.startswith(
+        "collective all_reduce (avg, 3 float32 elements) timed out on rank 0 of 2 over gloo"
+    )
+    assert "within the process group's timeout of 1 s" in note and "raise the strategy's timeout=" in note
+
+
+def test_ddp_on_exception_adds_the_note_and_keeps_the_args() -> None:
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_dist import DDP
+
+    exc = RuntimeError(callback_wrapped(GLOO_TIMEOUT))
+    DDP(cluster_environment=LightningEnvironment()).on_exception(exc)
+    assert type(exc) is RuntimeError and exc.args == (callback_wrapped(GLOO_TIMEOUT),)
+    assert len(exc.__notes__) == 1 and "raise the strategy's timeout=" in exc.__notes__[0]
 
 
 def test_timeout_is_read_from_the_default_group() -> None:
@@ -224,7 +265,6 @@ def test_timeout_is_read_from_the_default_group() -> None:
         backend = TorchBackend()
         assert backend.timeout_s == 7.0 and backend.transport == "gloo"
     finally:
-        collectives.release()
         dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_dist import collectives
 from lightning_dist.collectives import Communicator, SingleProcessBackend
@@ -217,41 +218,45 @@ def test_reduce_scatter_sums_in_rank_order() -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_shape_exchanges_can_start_from_a_callback(world_size: int) -> None:
-    """all_gather of unequal shapes and all_to_all never block, so a callback may start them."""
+def test_known_shapes_can_start_from_a_callback(world_size: int) -> None:
+    """all_gather of equal shapes and all_to_all with the row counts given (unequal ones too) never
+    block and exchange no shapes, so a callback may start them."""
 
     def body(comm: Communicator) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
         r = comm.rank
         first = comm.all_reduce_async(torch.ones(2))
-        gathered = chain(first, lambda _: comm.all_gather_async(torch.full((r + 1, 2), float(r))))
+        gathered = chain(first, lambda _: comm.all_gather_async(torch.full((2, 2), float(r))))
+        rows = [src + 1 for src in range(world_size)]  # rank r sends r + 1 rows to everyone
         moved = chain(
-            gathered, lambda _: comm.all_to_all_async([torch.full((r + 1,), float(r))] * world_size)
+            gathered,
+            lambda _: comm.all_to_all_async([torch.full((r + 1,), float(r))] * world_size, rows),
         )
         return gathered.wait(), moved.wait(), comm.stats.snapshot()
 
     for gathered, moved, snap in run_in_threads(world_size, body):
         for src in range(world_size):
-            assert torch.equal(gathered[src], torch.full((src + 1, 2), float(src)))
+            assert torch.equal(gathered[src], torch.full((2, 2), float(src)))
             assert torch.equal(moved[src], torch.full((src + 1,), float(src)))
-        assert snap["all_gather.calls"] == 2 and snap["all_to_all.calls"] == 2
+        assert snap["all_gather.calls"] == 1 and snap["all_to_all.calls"] == 1, "no shape exchange"
         assert snap["all_gather.seconds"] > 0 and snap["all_to_all.seconds"] > 0
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_calls_after_a_shape_exchange_keep_their_order(world_size: int) -> None:
-    """Rank 0 lets its shape exchange finish before it posts more; the data exchange, posted from
-    a callback, must still come before the later calls on every rank."""
+def test_shape_exchanges_block_and_keep_call_order(world_size: int) -> None:
+    """all_gather of unequal shapes and all_to_all without row counts exchange shapes first, on the
+    calling thread, between asynchronous calls posted before and after them (ranks at different
+    paces): every rank posts them in call order."""
 
     def body(comm: Communicator) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]:
         r = comm.rank
-        gathered = comm.all_gather_async(torch.full((r + 1, 3), float(r)))
+        before = comm.all_reduce_async(torch.full((4,), float(r)))
+        gathered = comm.all_gather(torch.full((r + 1, 3), float(r)))
         if r == 0:
             time.sleep(0.2)
-        reduced = comm.all_reduce_async(torch.full((4,), float(r)))
-        moved = comm.all_to_all_async([torch.full((r + j + 1,), float(r)) for j in range(world_size)])
+        moved = comm.all_to_all([torch.full((r + j + 1,), float(r)) for j in range(world_size)])
         sent = comm.broadcast_async(torch.full((2,), float(r)), src=world_size - 1)
         comm.barrier()
-        return gathered.wait(), reduced.wait(), moved.wait(), sent.wait()
+        return gathered, before.wait(), moved, sent.wait()
 
     total = float(sum(range(world_size)))
     for rank, (gathered, reduced, moved, sent) in enumerate(run_in_threads(world_size, body)):
@@ -261,11 +266,16 @@ def test_calls_after_a_shape_exchange_keep_their_order(world_size: int) -> None:
         assert torch.equal(sent, torch.full((2,), float(world_size - 1)))
 
 
+def test_all_to_all_async_needs_a_row_count_per_rank() -> None:
+    comm = Communicator(SingleProcessBackend())
+    with pytest.raises(ValueError, match=r"output_rows needs 1 row counts \(one per rank\), got 2"):
+        comm.all_to_all_async([torch.ones(1)], [1, 1])
+
+
 def test_unequal_trailing_dimensions_fail_on_every_rank() -> None:
     def body(comm: Communicator) -> str:
-        fut = comm.all_gather_async(torch.zeros(2, comm.rank + 1))
         with pytest.raises(ValueError, match="may differ only in their first dimension"):
-            fut.wait()
+            comm.all_gather(torch.zeros(2, comm.rank + 1))
         comm.all_reduce(torch.ones(1))  # the communicator is still usable
         return "ok"
 
@@ -334,10 +344,12 @@ def test_single_process_twin_is_identity_with_zero_bytes() -> None:
 
 
 def test_module_level_functions_default_to_single_process() -> None:
-    collectives.reset_stats()
+    assert not dist.is_initialized()
+    assert isinstance(collectives.world().backend, SingleProcessBackend)
+    collectives.world().stats.reset()
     t = torch.ones(3)
     assert torch.equal(collectives.all_reduce(t, "sum"), torch.ones(3))
-    assert collectives.stats().bytes_sent == 0
+    assert collectives.world().stats.calls == 0 and collectives.world().stats.bytes_sent == 0
 
 
 def test_unknown_op_names_accepted_values() -> None:

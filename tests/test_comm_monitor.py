@@ -41,7 +41,7 @@ class FakeModule(nn.Module):
 
 
 class FakeCounters:
-    """What ``collectives.stats()`` returns: totals the test advances by hand."""
+    """What the strategy's ``communicator.stats`` holds: totals the test advances by hand."""
 
     def __init__(self) -> None:
         self.totals = {
@@ -62,9 +62,9 @@ class Rig:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, world_size: int, **kwargs: Any) -> None:
         self.counters = FakeCounters()
         self.clock = 100.0
-        monkeypatch.setattr(monitor_module.collectives, "stats", lambda: self.counters)
         monkeypatch.setattr(monitor_module, "perf_counter", lambda: self.clock)
-        self.trainer: Any = SimpleNamespace(global_step=0, world_size=world_size)
+        strategy = SimpleNamespace(communicator=SimpleNamespace(stats=self.counters))
+        self.trainer: Any = SimpleNamespace(global_step=0, world_size=world_size, strategy=strategy)
         self.module: Any = FakeModule()
         self.monitor = CommMonitor(**kwargs)
         self.monitor.on_train_start(self.trainer, self.module)

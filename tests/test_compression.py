@@ -646,9 +646,9 @@ def test_gloo_driver_matches_simulation_and_counters(name: str, w: int) -> None:
                 # wire word may then round one unit in the last place apart)
                 tol = 0.0 if w == 2 else (2e-3 if name == "fp16" else 1e-6)
                 torch.testing.assert_close(o, e, rtol=tol, atol=tol)
-        # all_to_all sends row counts first (int8 uses it from 3 ranks; at 2 one all-gather)
-        shape_exchange = 3 * 8 * (w - 1) if name == "int8" and w > 2 else 0
-        assert counted == wire + shape_exchange
+        # every round's shapes are known on every rank: no shape or row-count exchange (int8's
+        # all_to_all from 3 ranks included), exactly the wire model
+        assert counted == wire
 
 
 def test_gloo_driver_reports_errors_through_the_future() -> None:

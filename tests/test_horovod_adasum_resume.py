@@ -18,7 +18,6 @@ import torch
 from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command
 from torch import nn
 
-from lightning_dist import collectives
 from lightning_dist.collectives import Communicator
 from lightning_dist.strategies.horovod_adasum import CHECKPOINT_KEY, HorovodAdasum
 from lightning_dist.testing import run_in_threads
@@ -137,11 +136,13 @@ def test_weights_only_checkpoint_gathers_nothing(tmp_path: Path) -> None:
     assert CHECKPOINT_KEY not in torch.load(tmp_path / "rank0.ckpt", weights_only=False)
 
 
-def test_after_teardown_the_gather_goes_through_the_strategy_backend() -> None:
-    """``trainer.save_checkpoint`` after ``fit``: no transport installed, so the strategy's own backend."""
-    assert collectives.current().world_size == 1
+def test_without_setup_the_gather_goes_through_the_strategy_backend() -> None:
+    """A checkpoint written by a strategy that was not set up in this process (no communicator made
+    yet): the gather goes through a communicator over the strategy's own backend."""
     backend = FakeBackend(0, 2)
-    assert strategy_on(backend).rank_state_comm().backend is backend
+    strategy = strategy_on(backend)
+    assert strategy.communicator is None
+    assert strategy.rank_state_comm().backend is backend
 
 
 # -- 2 ranks under mpirun ---------------------------------------------------------------------------

@@ -68,12 +68,9 @@ def test_tracing_off_records_nothing_and_world_size_one_is_silent() -> None:
     run_in_threads(2, lambda comm: comm.all_reduce(torch.ones(3)))
     assert rec.events == []
     with trace.recording() as rec:
-        collectives.use(collectives.SingleProcessBackend())
-        try:
-            collectives.all_reduce(torch.ones(3))
-            collectives.barrier()
-        finally:
-            collectives.use(None)
+        comm = Communicator(collectives.SingleProcessBackend())
+        comm.all_reduce(torch.ones(3))
+        comm.barrier()
     assert rec.events == [], "world size 1 moves nothing"
 
 

@@ -1,6 +1,7 @@
 """Per-step monitoring: step time, bytes on the wire, comm time and its share, compression ratio,
-throughput and scaling efficiency, from the pack's ``collectives`` counters (every strategy of the
-pack, Horovod's included, counts there)."""
+throughput and scaling efficiency, from the counters of the strategy's communicator
+(``trainer.strategy.communicator.stats``: every strategy of the pack, Horovod's included, counts
+there; a strategy without one reads as no communication)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.compression.wire import ring_all_reduce_bytes
+
+
+def _counters(trainer: L.Trainer) -> dict[str, float]:
+    """The strategy's communicator's counters (``CommStats.snapshot``); {} for a strategy without one."""
+    comm = getattr(trainer.strategy, "communicator", None)
+    return {} if comm is None else comm.stats.snapshot()
+
 
 STEP_SECONDS = "perf/step_seconds"
 BYTES_SENT = "comm/bytes_sent"
@@ -181,7 +188,7 @@ class CommMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_before = trainer.global_step
-        self._base = collectives.stats().snapshot()
+        self._base = _counters(trainer)
         self._start = perf_counter()
 
     @override
@@ -189,12 +196,12 @@ class CommMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         elapsed = perf_counter() - self._start
-        now = collectives.stats().snapshot()
+        now = _counters(trainer)
         pending = self._pending
         pending["seconds"] += elapsed
-        pending["sent"] += int(now["bytes_sent"] - self._base.get("bytes_sent", 0))
-        pending["received"] += int(now["bytes_received"] - self._base.get("bytes_received", 0))
-        pending["comm"] += now["busy_seconds"] - self._base.get("busy_seconds", 0.0)
+        pending["sent"] += int(now.get("bytes_sent", 0) - self._base.get("bytes_sent", 0))
+        pending["received"] += int(now.get("bytes_received", 0) - self._base.get("bytes_received", 0))
+        pending["comm"] += now.get("busy_seconds", 0.0) - self._base.get("busy_seconds", 0.0)
         samples, tokens = self._count(batch)
         pending["samples"] += samples
         pending["tokens"] += tokens

@@ -19,7 +19,7 @@ The file is the Chrome Trace Event format, JSON object form::
 - ``"tid"`` 1, 2, ... (``"collectives"``, ``"collectives 2"`` ...): one complete event per
   collective, named after its op (``all_reduce``, ``broadcast``, ``all_gather``, ``send`` ...),
   from posting to completion; ``args``: ``op``, ``bytes_sent``, ``bytes_received`` (the wire
-  model of ``collectives.stats()``), ``detail``, ``thread`` (that posted it), ``group_rank`` and
+  model of ``Communicator.stats``), ``detail``, ``thread`` (that posted it), ``group_rank`` and
   ``world_size``. Asynchronous calls overlap; each goes to the first lane free at its start, so the
   events of one lane never overlap;
 - ``"ts"``/``"dur"`` in microseconds from the earliest event of any rank, on Unix time
@@ -35,12 +35,11 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import lightning as L
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.collectives import trace
 
 STEPS_TID = 0
@@ -135,7 +134,7 @@ class Timeline(L.Callback):
             return
         trace.stop(rec)
         self._recorder = None
-        parts = gather_to_rank0({"rank": trainer.global_rank, **rec.export()})
+        parts = gather_to_rank0({"rank": trainer.global_rank, **rec.export()}, trainer)
         if parts is not None:
             self.trace = chrome_trace(parts)
             write_json(self.path, self.trace)
@@ -156,16 +155,16 @@ class Timeline(L.Callback):
             self._recorder = None
 
 
-def gather_to_rank0(part: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
-    """Every rank's ``part``, in rank order, on rank 0 (``None`` elsewhere): one ``broadcast_object``
-    per rank over the current communicator (any backend)."""
-    comm = collectives.current()
-    if comm.world_size == 1:
+def gather_to_rank0(part: dict[str, Any], trainer: L.Trainer) -> Optional[list[dict[str, Any]]]:
+    """Every rank's ``part``, in rank order, on rank 0 (``None`` elsewhere): one object broadcast per
+    rank through ``trainer.strategy.broadcast`` (a pack strategy's: its communicator, any backend)."""
+    world_size, rank = trainer.world_size, trainer.global_rank
+    if world_size == 1:
         return [part]
     parts = [
-        collectives.broadcast_object(part if comm.rank == r else None, r) for r in range(comm.world_size)
+        cast(dict, trainer.strategy.broadcast(part if rank == r else None, r)) for r in range(world_size)
     ]
-    return parts if comm.rank == 0 else None
+    return parts if rank == 0 else None
 
 
 def _lanes(events: list[tuple[Any, ...]]) -> list[int]:

@@ -27,16 +27,17 @@ import bisect
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 
-if TYPE_CHECKING:
-    from lightning_dist.collectives.communicator import Communicator
+from lightning_dist.collectives.backend import Backend
+from lightning_dist.collectives.completer import Completer
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ ADASUM_TAG = 7
 ADASUM_LANES = 2
 """Adasum calls that may run at once where the backend keeps tags apart (``Backend.independent_tags``):
 call ``k`` runs in lane ``k % ADASUM_LANES`` once call ``k - ADASUM_LANES`` is done, so one bucket's
-exchange fills the link while the previous one waits on its dot products."""
+exchange fills the link while the previous one waits on its dot products (see ``AdasumLanes``)."""
 
 _MANY_PIECES = 16
 
@@ -116,12 +117,11 @@ class _Link:
     host memory (``host_only``), so CUDA tensors are reduced through a CPU copy.
     """
 
-    def __init__(self, comm: Communicator, tag: int = ADASUM_TAG) -> None:
-        backend = comm.backend
+    def __init__(self, backend: Backend, tag: int = ADASUM_TAG) -> None:
         self.tag = tag
         self.backend = backend
-        self.rank = comm.rank
-        self.world_size = comm.world_size
+        self.rank = backend.rank
+        self.world_size = backend.world_size
         self.strict = backend.device_type == "cuda"
         self.host_only = backend.device_type == "cpu"
         self.sent = 0
@@ -343,19 +343,19 @@ def check_adasum_dtypes(tensors: Sequence[Tensor]) -> None:
             )
 
 
-def adasum_all_reduce(comm: Communicator, tensors: list[Tensor], tag: int = ADASUM_TAG) -> list[Tensor]:
-    """Adasum of each tensor over all ranks of ``comm``, written in place; returns ``tensors``.
+def adasum_all_reduce(backend: Backend, tensors: list[Tensor], tag: int = ADASUM_TAG) -> tuple[int, int]:
+    """Adasum of each tensor over all ranks of ``backend``, written in place; returns the bytes this
+    rank really sent and received (for its communicator to count under ``adasum``).
 
     Tensors are fused per (dtype, device) into one buffer for the exchange (reduced where they are
-    when they already lie back to back in one storage), but the rule is applied per tensor. Bytes
-    really sent and received are counted under ``adasum``. Messages use ``tag``: calls that run at
-    once need different tags.
+    when they already lie back to back in one storage), but the rule is applied per tensor. Messages
+    use ``tag``: calls that run at once need different tags.
     """
     check_adasum_dtypes(tensors)
-    if comm.world_size == 1 or not tensors:
-        return tensors
+    if backend.world_size == 1 or not tensors:
+        return 0, 0
     start = time.perf_counter()
-    link = _Link(comm, tag)
+    link = _Link(backend, tag)
     groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -373,7 +373,55 @@ def adasum_all_reduce(comm: Communicator, tensors: list[Tensor], tag: int = ADAS
                 for t in members:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
-    seconds = time.perf_counter() - start
-    comm.count("adasum", link.sent, link.received, seconds)
-    logger.debug("adasum: %d tensors, %d bytes sent in %.4fs", len(tensors), link.sent, seconds)
-    return tensors
+    logger.debug(
+        "adasum: %d tensors, %d bytes sent in %.4fs", len(tensors), link.sent, time.perf_counter() - start
+    )
+    return link.sent, link.received
+
+
+class AdasumLanes:
+    """Runs Adasum calls on worker threads, so that the caller goes on (a DDP bucket's Adasum
+    overlaps the rest of backward) while every rank still posts its collectives in call order.
+
+    Call ``k`` runs in lane ``k % ADASUM_LANES`` with tag ``ADASUM_TAG + lane`` where the backend
+    keeps tags apart (``overlapping``: Gloo), else every call in lane 0 on ``ADASUM_TAG`` (NCCL
+    serialises a pair's operations, Horovod's Adasum is its own); a lane runs its calls one after
+    another. Another kind of collective posted meanwhile waits first in ``wait_idle`` until every
+    Adasum call submitted before it has returned, so it is posted after them on every rank.
+    """
+
+    def __init__(self) -> None:
+        self._workers = [Completer(f"adasum-lane-{i}") for i in range(ADASUM_LANES)]
+        self._cond = threading.Condition()
+        self._in_flight = 0  # calls submitted and not yet returned
+        self._calls = 0
+
+    def submit(self, run: Callable[[int], Any], overlapping: bool) -> Future:
+        """A future for ``run(tag)`` on the call's lane (call order is the same on every rank)."""
+        lane = self._calls % ADASUM_LANES
+        self._calls += 1
+        with self._cond:
+            self._in_flight += 1
+
+        def job() -> Any:
+            try:
+                return run(ADASUM_TAG + lane if overlapping else ADASUM_TAG)
+            finally:  # before the result is delivered: its callbacks may post other collectives
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+
+        return self._workers[lane if overlapping else 0].submit(job, lambda value: value)
+
+    def wait_idle(self) -> None:
+        """Block until every call submitted so far has returned. From a lane's own thread (a
+        callback of an Adasum result) it returns at once: that lane's later calls wait for it."""
+        if self._in_flight == 0 or any(worker.is_current() for worker in self._workers):
+            return  # (the count is read unlocked: this thread's own calls were counted when submitted)
+        with self._cond:
+            self._cond.wait_for(lambda: self._in_flight == 0)
+
+    def close(self) -> None:
+        """Stop the lanes' threads once their calls are done (they restart on demand)."""
+        for worker in self._workers:
+            worker.stop()

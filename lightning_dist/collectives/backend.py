@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import pickle
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,9 +14,6 @@ from torch.futures import Future
 
 from lightning_dist.collectives.accounting import ring_all_reduce_bytes
 from lightning_dist.collectives.ops import REDUCE_OPS, ReduceOp, check_reduce_op  # noqa: F401  (the op names' home)
-
-if TYPE_CHECKING:
-    from lightning_dist.collectives.communicator import Communicator
 
 
 def rows(t: Tensor) -> int:
@@ -116,18 +113,10 @@ class Backend(ABC):
         default is a ring all-reduce."""
         return ring_all_reduce_bytes(nbytes, self.world_size)
 
-    def hold_completions(self) -> None:
-        """Delay waiting for posted operations (``Communicator.completions_held``); the default
-        waits as usual (nothing to hold)."""
-        return None
-
-    def release_completions(self) -> None:
-        """Wait for posted operations again."""
-        return None
-
-    def native_adasum(self, comm: Communicator, tensors: list[Tensor]) -> Optional[list[Tensor]]:
-        """The transport's own Adasum of ``tensors`` in place, counting its bytes into ``comm``;
-        ``None`` (the default) means it has none and the library's Adasum runs instead."""
+    def native_adasum(self, tensors: list[Tensor]) -> Optional[tuple[int, int]]:
+        """The transport's own Adasum of ``tensors`` in place, returning the bytes this rank sent and
+        received (its communicator counts them); ``None`` (the default) means it has none and the
+        library's Adasum (``adasum.adasum_all_reduce``) runs instead."""
         return None
 
     @abstractmethod
@@ -163,6 +152,11 @@ class Backend(ABC):
 
     @abstractmethod
     def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Stop the helper threads this backend started, once their work is done (they restart on
+        demand); the transport itself stays usable. The default has none."""
+        return None
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Broadcast a picklable object; the default pickles into a byte tensor."""

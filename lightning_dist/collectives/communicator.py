@@ -4,20 +4,23 @@ Wire model for the byte counters (per rank, N = payload bytes, W = world size):
   all_reduce      what the backend reports (``Backend.all_reduce_bytes``); a ring by default:
                   sends and receives 2*(W-1)*N // W
   broadcast       the source sends (W-1)*N, every other rank receives N
-  all_gather      sends (W-1)*N_own, receives the sum of the others' N (uneven: padded sizes, plus
-                  the int64 shape exchange)
+  all_gather      sends (W-1)*N_own, receives the sum of the others' N (unequal shapes: padded
+                  sizes, plus the int64 shape exchange, a call of its own)
   reduce_scatter  sends and receives (W-1)*N // W of its N-byte input
-  all_to_all      sends the chunks addressed to other ranks, receives the chunks from them (plus
-                  the int64 row-count exchange)
+  all_to_all      sends the chunks addressed to other ranks, receives the chunks from them (row
+                  counts not given: plus the int64 row-count exchange, a call of its own)
   adasum          what the recursive halving/doubling exchange really sends (see adasum.py)
 At world size 1 every count is zero. Seconds run from posting an operation to its completion.
 
 Tracing (``collectives.trace``): while a recorder is active, every operation is also recorded with
 its op, bytes, posting and completion times and posting thread; off, it costs one ``None`` check.
 
-Ranks must post collectives in the same order. Two calls post their data exchange from a callback,
-once a shape exchange has completed (``all_gather`` of unequal shapes, ``all_to_all``); later calls
-on the same communicator are held back until then, so every rank still posts in call order.
+Ranks must post collectives in the same order. Every operation is posted by the calling thread,
+in call order: the asynchronous forms exist for operations whose shapes every rank knows
+(``all_reduce``, ``broadcast``, ``all_gather`` of equal shapes, ``reduce_scatter``, ``all_to_all``
+with the row counts given); those whose shapes must be exchanged first are blocking (the shape
+exchange, then the data, on the calling thread). Adasum runs on worker threads (``AdasumLanes``), and
+any other operation waits for the Adasum calls before it, so it is posted after them on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -37,23 +40,20 @@ from torch.futures import Future
 
 from lightning_dist.collectives import trace as _trace
 from lightning_dist.collectives.accounting import CommStats
-from lightning_dist.collectives.adasum import (
-    ADASUM_LANES,
-    ADASUM_TAG,
-    adasum_all_reduce,
-    check_adasum_dtypes,
-)
+from lightning_dist.collectives.adasum import AdasumLanes, adasum_all_reduce, check_adasum_dtypes
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
-from lightning_dist.collectives.completer import Completer
-from lightning_dist.collectives.futures import completed_future, forward
-from lightning_dist.collectives.timeouts import naming_timeouts
+from lightning_dist.collectives.futures import completed_future
+from lightning_dist.collectives.timeouts import (
+    CollectiveTimeout,
+    add_timeout_note,
+    is_timeout,
+    naming_timeouts,
+    translate,
+)
 
 logger = logging.getLogger(__name__)
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
-
-PROCESS_STATS = CommStats()
-"""Counters shared by every communicator made without its own ``stats`` in this process."""
 
 
 def _nbytes(t: Tensor) -> int:
@@ -72,162 +72,19 @@ def _describe(tensor: TensorOrList, op: str = "") -> str:
     return f"{op}, {size}" if op else size
 
 
-def _settled(fut: Future) -> Future:
-    """``fut`` once it has completed, with a value or an exception."""
-    with contextlib.suppress(BaseException):  # read by the caller through fut.value()
-        fut.wait()
-    return fut
-
-
-class _PostOrder:
-    """Posts backend operations in call order: while a two-stage call waits to post its second
-    stage, later calls are held back in a queue and posted, in order, once it has.
-
-    A second stage whose first has not completed yet is posted (with the calls held behind it) from
-    a ``Completer`` thread of this object, never from a transport's own thread: a callback there
-    that held the last reference to a process group would run the group's destructor inside the
-    group's worker thread, which aborts the process.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._held: deque[tuple[Callable[[], None], bool]] = deque()  # (post it, is two-stage)
-        self._blocked = False  # a second stage is still to be posted
-        self._draining = False
-        self._poster = Completer("collectives-poster")
-        self._workers = [Completer(f"collectives-exclusive-{i}") for i in range(ADASUM_LANES)]
-        self._running = 0  # exclusive calls handed to a worker and not yet returned
-
-    def _busy(self) -> bool:
-        return self._blocked or self._draining or bool(self._held)
-
-    def post(self, start: Callable[[], Future]) -> Future:
-        """``start()`` (which posts) now, or once every earlier call has posted."""
-        out: Future = Future()
-
-        def _run() -> None:
-            try:
-                fut = start()
-            except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
-                out.set_exception(exc)
-            else:
-                forward(fut, out)
-
-        with self._cond:
-            if self._busy():
-                self._held.append((_run, False))
-                return out
-        return start()
-
-    def post_two_stage(self, first: Callable[[], Future], second: Callable[[Any], Future]) -> Future:
-        """``first()`` as ``post`` does, then ``second(first's value)`` once that completes; later
-        calls are held back until ``second`` has posted (or either failed)."""
-        out: Future = Future()
-
-        # Later calls are released before the result is delivered, so that its callbacks find
-        # them posted.
-        def _second(head: Future) -> None:
-            try:
-                fut = second(head.value())
-            except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
-                self._unblock()
-                out.set_exception(exc)
-                return
-            self._unblock()
-            forward(fut, out)
-
-        def _run() -> None:  # called with self._blocked set
-            try:
-                head = first()
-            except BaseException as exc:  # noqa: BLE001  (delivered through the returned future)
-                self._unblock()
-                out.set_exception(exc)
-                return
-            if head.done():  # NCCL's futures complete when the work is queued: post from here
-                _second(_settled(head))
-            else:
-                self._poster.submit(lambda: _settled(head), _second)
-
-        self._run_blocking(_run)
-        return out
-
-    def post_exclusive(self, run: Callable[[], Any], lane: int = 0, overlapping: bool = False) -> Future:
-        """``run()`` on worker ``lane`` once every earlier call has posted, with later calls held back
-        until it returns: a caller-driven exchange (Adasum's point-to-point rounds) runs alongside
-        the caller (backward, say) while every rank still posts in call order.
-
-        ``overlapping``: it may also start while earlier overlapping calls are still running, so
-        that consecutive exchanges share the link (Gloo, one tag per lane); a lane runs its calls one
-        after another, and later calls of other kinds still wait for all of them."""
-        out: Future = Future()
-
-        def _job() -> Any:
-            try:
-                return run()
-            finally:
-                with self._cond:
-                    self._running -= 1
-                    last = self._running == 0
-                if last:
-                    self._unblock()  # later calls are posted before the result is delivered
-
-        def _submit() -> None:
-            forward(self._workers[lane].submit(_job, lambda value: value), out)
-
-        def _run() -> None:  # called with self._blocked set
-            with self._cond:
-                self._running += 1
-            _submit()
-
-        with self._cond:
-            joins = overlapping and self._running > 0 and not self._held and not self._draining
-            if joins:  # earlier exclusive calls (all overlapping: one backend) block the rest
-                self._running += 1
-        if joins:
-            _submit()
-        else:
-            self._run_blocking(_run)
-        return out
-
-    def _run_blocking(self, run: Callable[[], None]) -> None:
-        """``run()`` now with later calls held back (it unblocks them), or queued behind earlier ones."""
-        with self._cond:
-            if self._busy():
-                self._held.append((run, True))
-                return
-            self._blocked = True
-        run()
-
-    def _unblock(self) -> None:
-        """Post held-back calls in order until one blocks again; one drain loop at a time."""
-        with self._cond:
-            self._blocked = False
-            if self._draining:
-                return  # the drain loop already running (this thread or another) carries on
-            self._draining = True
-        while True:
-            with self._cond:
-                if self._blocked or not self._held:
-                    self._draining = False
-                    self._cond.notify_all()
-                    return
-                run, self._blocked = self._held.popleft()
-            run()
-
-    def wait(self) -> None:
-        """Block until every earlier call has posted (before a blocking operation)."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._busy())
-
-
 class Communicator:
-    """All collectives over one ``Backend``; counts bytes and seconds into ``stats``."""
+    """All collectives over one ``Backend``; counts bytes and seconds into ``stats``.
+
+    ``stats``: the counters this communicator adds to; its own new ``CommStats`` by default (pass one
+    to share counters between communicators). ``close()`` stops the helper threads of this
+    communicator and of its backend, and no other; they restart if it is used again."""
 
     def __init__(self, backend: Backend, stats: Optional[CommStats] = None) -> None:
         self.backend = backend
-        self.stats = PROCESS_STATS if stats is None else stats
-        self._order = _PostOrder()
-        self._adasum_calls = 0
+        self.stats = CommStats() if stats is None else stats
+        self._lanes = AdasumLanes()
+        self._timeouts: deque[CollectiveTimeout] = deque(maxlen=8)
+        """The last ``CollectiveTimeout``s raised by this communicator's operations, any thread."""
 
     @property
     def rank(self) -> int:
@@ -240,6 +97,12 @@ class Communicator:
     def spans(self, group: Any) -> bool:
         """Whether a collective over this communicator answers for ``group`` (``Backend.spans``)."""
         return self.backend.spans(group)
+
+    def close(self) -> None:
+        """Stop the helper threads this communicator and its backend started, once the work already
+        handed to them is done (a strategy's teardown). A later call starts them again."""
+        self._lanes.close()
+        self.backend.close()
 
     # -- accounting -------------------------------------------------------------------------
     def timeout_context(self) -> dict[str, Any]:
@@ -254,10 +117,38 @@ class Communicator:
         }
 
     def _wait(self, fut: Future, op: str, detail: str = "") -> Any:
-        """``fut.wait()``, a timeout raised as ``CollectiveTimeout`` (torch re-wraps an exception
-        raised in a future callback as a plain ``RuntimeError``; this gives blocking calls the type)."""
-        with naming_timeouts(op, detail=detail, **self.timeout_context()):
+        """``fut.wait()``; a timeout raised as ``CollectiveTimeout`` naming ``op`` and ``detail``,
+        from the transport's error. The operation's completion callback raised it already, but torch
+        hands an exception raised in a callback to the waiter as a plain ``RuntimeError`` holding its
+        text: the one it recorded is raised again here, with its type."""
+        try:
             return fut.wait()
+        except CollectiveTimeout:
+            raise
+        except Exception as exc:
+            known = self._recorded(op, detail) if is_timeout(exc) else None
+            if known is not None:
+                raise CollectiveTimeout(str(known), op, known.timeout_s, detail) from (known.__cause__ or exc)
+            new = translate(exc, op, detail=detail, **self.timeout_context())
+            if new is exc:
+                raise
+            raise new from exc
+
+    def _recorded(self, op: str, detail: str) -> Optional[CollectiveTimeout]:
+        """The latest recorded timeout of the collective ``op`` moving ``detail``, if any."""
+        return next((t for t in reversed(self._timeouts) if (t.op, t.detail) == (op, detail)), None)
+
+    def note_timeout(self, exc: BaseException) -> bool:
+        """A strategy's ``on_exception``: add a note to ``exc`` when it reports a timed-out
+        collective (``timeouts.add_timeout_note``): the last timeout of this communicator's own
+        operations, else what torch was doing, with this transport's timeout. ``exc``'s type and
+        args stay. Returns whether ``exc`` has such a note now."""
+        try:
+            context = self.timeout_context() if self.world_size > 1 else {}
+        except Exception:  # noqa: BLE001  (a broken transport: a note without it)
+            context = {}
+        recorded = self._timeouts[-1] if self._timeouts else None
+        return add_timeout_note(exc, recorded, **context)
 
     def _timed(
         self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
@@ -281,6 +172,7 @@ class Communicator:
             raise
         stats.add(op, sent, received)
         context = self.timeout_context()
+        record = self._timeouts.append
         if rec is not None:
             rank, world_size, thread = self.rank, self.world_size, threading.current_thread().name
 
@@ -292,7 +184,7 @@ class Communicator:
             stats.leave(end)
             if rec is not None:
                 rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail)
-            with naming_timeouts(op, detail=detail, **context):
+            with naming_timeouts(op, record, detail=detail, **context):
                 return f.value()
 
         return fut.then(_done)
@@ -308,8 +200,9 @@ class Communicator:
     def _post(
         self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
     ) -> Future:
-        """Post ``start()`` in call order and account for it."""
-        return self._order.post(lambda: self._timed(op, sent, received, start, detail))
+        """Post ``start()`` after the Adasum calls before it, and account for it."""
+        self._lanes.wait_idle()
+        return self._timed(op, sent, received, start, detail)
 
     def count(self, op: str, sent: int, received: int, seconds: float = 0.0) -> None:
         """Add bytes moved by a caller-driven exchange (compound algorithms such as Adasum)."""
@@ -322,26 +215,15 @@ class Communicator:
     def _all_reduce_bytes(self, t: Tensor) -> int:
         return self.backend.all_reduce_bytes(_nbytes(t), t.dtype)
 
-    @contextlib.contextmanager
-    def completions_held(self) -> Iterator[None]:
-        """Operations posted in the block complete once it ends (at most ``HOLD_MAX_S`` later),
-        not while it runs, where the transport's wait costs CPU (Horovod: see ``Completer.hold``).
-        A strategy holds them during backward, as Horovod's optimizer only waits after it."""
-        self.backend.hold_completions()
-        try:
-            yield
-        finally:
-            self.backend.release_completions()
-
     # -- all_reduce -------------------------------------------------------------------------
     def all_reduce_async(self, tensor: TensorOrList, op: str = "sum", name: Optional[str] = None) -> Future:
         """Reduce in place; a list is reduced as one fused buffer (Adasum: per tensor). ``name``
         (the same on every rank and step for the same tensor) goes to the backend (``Backend.all_reduce``).
 
-        Adasum's exchange runs on a worker thread of this communicator, so the returned future is
-        pending while it runs (a DDP bucket's Adasum overlaps the rest of backward); calls made
-        meanwhile are posted after it, in call order, except that where the backend keeps tags apart
-        the next Adasum may start at once, in the other lane (``ADASUM_LANES``)."""
+        Adasum's exchange runs on a worker thread of this communicator (``AdasumLanes``), so the
+        returned future is pending while it runs (a DDP bucket's Adasum overlaps the rest of
+        backward); other calls made meanwhile wait for it, and where the backend keeps tags apart the
+        next Adasum may start at once, in the other lane."""
         op = check_reduce_op(op)
         tensors = [tensor] if isinstance(tensor, Tensor) else list(tensor)
         single = isinstance(tensor, Tensor)
@@ -349,11 +231,7 @@ class Communicator:
             return completed_future(tensor if single else tensors)
         if op == "adasum":
             check_adasum_dtypes(tensors)  # here, not in the worker thread: before anything is posted
-            lane = self._adasum_calls % ADASUM_LANES  # call order is the same on every rank
-            self._adasum_calls += 1
-            overlapping = self.backend.independent_tags
-            job = self._adasum_job(tensors, single, ADASUM_TAG + lane if overlapping else ADASUM_TAG)
-            return self._order.post_exclusive(job, lane if overlapping else 0, overlapping)
+            return self._lanes.submit(self._adasum_job(tensors, single), self.backend.independent_tags)
         backend = self.backend
         if single:
             t = tensors[0]
@@ -382,26 +260,32 @@ class Communicator:
         fut = self.all_reduce_async(tensor, op)
         return self._wait(fut, "all_reduce", _describe(tensor, check_reduce_op(op)))
 
-    def _adasum_job(self, tensors: list[Tensor], single: bool, tag: int) -> Callable[[], Any]:
-        """Adasum of ``tensors`` as a job for another thread, on the caller's CUDA stream, its
-        messages on ``tag``; its run is a busy interval, so overlapping lanes count once."""
+    def _adasum_job(self, tensors: list[Tensor], single: bool) -> Callable[[int], Any]:
+        """Adasum of ``tensors`` as a job for a lane (called with its tag), on the caller's CUDA
+        stream; its run is a busy interval, so overlapping lanes count once."""
         stream = torch.cuda.current_stream(tensors[0].device) if tensors and tensors[0].is_cuda else None
 
-        def _job() -> Any:
+        def _job(tag: int) -> Any:
             self.stats.enter(time.perf_counter_ns())
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    reduced = self._adasum(tensors, tag)
+                    self._adasum(tensors, tag)
             finally:
                 self.stats.leave(time.perf_counter_ns())
-            return reduced[0] if single else reduced
+            return tensors[0] if single else tensors
 
         return _job
 
-    def _adasum(self, tensors: list[Tensor], tag: int = ADASUM_TAG) -> list[Tensor]:
-        with naming_timeouts("all_reduce", detail=_describe(tensors, "adasum"), **self.timeout_context()):
-            native = self.backend.native_adasum(self, tensors)
-            return native if native is not None else adasum_all_reduce(self, tensors, tag)
+    def _adasum(self, tensors: list[Tensor], tag: int) -> None:
+        """Adasum in place (the transport's own where it has one), counted under ``adasum``."""
+        if not tensors:
+            return
+        detail = _describe(tensors, "adasum")
+        with naming_timeouts("all_reduce", self._timeouts.append, detail=detail, **self.timeout_context()):
+            start = time.perf_counter()
+            moved = self.backend.native_adasum(tensors)
+            sent, received = moved if moved is not None else adasum_all_reduce(self.backend, tensors, tag)
+            self.count("adasum", sent, received, time.perf_counter() - start)
 
     # -- broadcast ----------------------------------------------------------------------------
     def broadcast_async(self, tensor: Tensor, src: int = 0) -> Future:
@@ -422,9 +306,10 @@ class Communicator:
         """Broadcast any picklable object from ``src``; counted as its pickled size plus 8 bytes."""
         if self.world_size == 1:
             return obj
-        self._order.wait()
+        self._lanes.wait_idle()
         start = time.perf_counter_ns()
-        with naming_timeouts("broadcast_object", detail=f"from rank {src}", **self.timeout_context()):
+        context = self.timeout_context()
+        with naming_timeouts("broadcast_object", self._timeouts.append, detail=f"from rank {src}", **context):
             result = self.backend.broadcast_object(obj, src)
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
@@ -435,59 +320,58 @@ class Communicator:
         return result
 
     # -- all_gather ---------------------------------------------------------------------------
-    def all_gather_async(self, tensor: Tensor, same_shape: bool = False) -> Future:
-        """Gather from every rank, in rank order.
-
-        Unequal first dimensions are allowed: the ranks first exchange their shapes, then gather
-        the tensors padded to the longest. That shape exchange is an ``all_gather`` call of its own
-        in the counters (its bytes and seconds); the data exchange is posted from its completion,
-        so this never blocks. Other dimensions that differ fail the future with a ``ValueError``
-        on every rank. ``same_shape=True`` promises equal shapes and skips the exchange.
-        """
+    def all_gather_async(self, tensor: Tensor) -> Future:
+        """Gather from every rank, in rank order; every rank's ``tensor`` has the same shape (the
+        caller's contract: unequal shapes go through the blocking ``all_gather``)."""
         w = self.world_size
         if w == 1:
             return completed_future([tensor.clone()])
         backend = self.backend
-        if same_shape:
-            n = (w - 1) * _nbytes(tensor)
-            return self._post("all_gather", n, n, lambda: backend.all_gather(tensor), _describe(tensor))
-        shape = torch.tensor(list(tensor.shape), dtype=torch.int64)
-        shape_bytes = (w - 1) * _nbytes(shape)
-        rest = tuple(tensor.shape[1:])
-
-        def _gather_padded(gathered: list[Tensor]) -> Future:
-            shapes = [s.cpu() for s in gathered]
-            for s in shapes:
-                if tuple(s.tolist()[1:]) != rest:
-                    raise ValueError(
-                        f"all_gather: tensors may differ only in their first dimension; got shapes "
-                        f"{[tuple(x.tolist()) for x in shapes]}"
-                    )
-            lengths = [int(s[0]) for s in shapes] if tensor.dim() > 0 else [1] * w
-            longest = max(lengths)
-            padded = tensor
-            if tensor.dim() > 0 and tensor.shape[0] < longest:
-                padded = torch.zeros((longest, *rest), dtype=tensor.dtype, device=tensor.device)
-                padded[: tensor.shape[0]] = tensor
-            n = (w - 1) * _nbytes(padded)
-            fut = self._timed("all_gather", n, n, lambda: backend.all_gather(padded), _describe(padded))
-            if tensor.dim() == 0:
-                return fut
-            return fut.then(lambda f: [g[:length] for g, length in zip(f.value(), lengths)])
-
-        return self._order.post_two_stage(
-            lambda: self._timed(
-                "all_gather",
-                shape_bytes,
-                shape_bytes,
-                lambda: backend.all_gather(backend.to_transport_device(shape)),
-                f"shape exchange before {_describe(tensor)}",
-            ),
-            _gather_padded,
-        )
+        n = (w - 1) * _nbytes(tensor)
+        return self._post("all_gather", n, n, lambda: backend.all_gather(tensor), _describe(tensor))
 
     def all_gather(self, tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
-        return self._wait(self.all_gather_async(tensor, same_shape), "all_gather", _describe(tensor))
+        """Gather from every rank, in rank order.
+
+        Unequal first dimensions are allowed: the ranks first exchange their shapes (an
+        ``all_gather`` call of its own in the counters), then gather the tensors padded to the
+        longest. Other dimensions that differ raise a ``ValueError`` on every rank.
+        ``same_shape=True`` promises equal shapes and skips the exchange.
+        """
+        if same_shape or self.world_size == 1:
+            return self._wait(self.all_gather_async(tensor), "all_gather", _describe(tensor))
+        w = self.world_size
+        backend = self.backend
+        shape = torch.tensor(list(tensor.shape), dtype=torch.int64)
+        shape_bytes = (w - 1) * _nbytes(shape)
+        detail = f"shape exchange before {_describe(tensor)}"
+        fut = self._post(
+            "all_gather",
+            shape_bytes,
+            shape_bytes,
+            lambda: backend.all_gather(backend.to_transport_device(shape)),
+            detail,
+        )
+        shapes = [s.cpu() for s in self._wait(fut, "all_gather", detail)]
+        rest = tuple(tensor.shape[1:])
+        for s in shapes:
+            if tuple(s.tolist()[1:]) != rest:
+                raise ValueError(
+                    f"all_gather: tensors may differ only in their first dimension; got shapes "
+                    f"{[tuple(x.tolist()) for x in shapes]}"
+                )
+        lengths = [int(s[0]) for s in shapes] if tensor.dim() > 0 else [1] * w
+        longest = max(lengths)
+        padded = tensor
+        if tensor.dim() > 0 and tensor.shape[0] < longest:
+            padded = torch.zeros((longest, *rest), dtype=tensor.dtype, device=tensor.device)
+            padded[: tensor.shape[0]] = tensor
+        n = (w - 1) * _nbytes(padded)
+        fut = self._post("all_gather", n, n, lambda: backend.all_gather(padded), _describe(padded))
+        gathered = self._wait(fut, "all_gather", _describe(padded))
+        if tensor.dim() == 0:
+            return gathered
+        return [g[:length] for g, length in zip(gathered, lengths)]
 
     # -- reduce_scatter -----------------------------------------------------------------------
     def reduce_scatter_async(self, tensor: TensorOrList, op: str = "sum") -> Future:
@@ -524,52 +408,64 @@ class Communicator:
         return self._wait(fut, "reduce_scatter", _describe(tensor, check_reduce_op(op)))
 
     # -- all_to_all ---------------------------------------------------------------------------
-    def all_to_all_async(self, inputs: Sequence[Tensor]) -> Future:
+    def _check_all_to_all(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        if len(inputs) != self.world_size:
+            raise ValueError(
+                f"all_to_all: needs {self.world_size} input tensors (one per rank), got {len(inputs)}"
+            )
+        return [t.contiguous() for t in inputs]
+
+    def all_to_all_async(self, inputs: Sequence[Tensor], output_rows: Sequence[int]) -> Future:
         """Send ``inputs[j]`` to rank j; returns what each rank sent here, in rank order.
 
-        First dimensions may differ: the ranks first exchange their row counts (int64), counted as
-        an ``all_to_all`` call of its own (its bytes and seconds); the data exchange is posted from
-        its completion, so this never blocks.
+        ``output_rows[j]``: the first dimension of what rank j sends here (the caller's contract;
+        row counts this rank does not know go through the blocking ``all_to_all``). Trailing
+        dimensions are those of ``inputs``; a 0-d chunk counts as one row.
         """
+        inputs = self._check_all_to_all(inputs)
         w = self.world_size
-        inputs = [t.contiguous() for t in inputs]
-        if len(inputs) != w:
-            raise ValueError(f"all_to_all: needs {w} input tensors (one per rank), got {len(inputs)}")
+        if len(output_rows) != w:
+            raise ValueError(
+                f"all_to_all: output_rows needs {w} row counts (one per rank), got {len(output_rows)}"
+            )
         if w == 1:
             return completed_future([inputs[0].clone()])
         backend = self.backend
         rank = self.rank
-        lengths = torch.tensor([rows(t) for t in inputs], dtype=torch.int64)
-        send_len = [backend.to_transport_device(x.reshape(1)) for x in lengths]
-        recv_len = [backend.to_transport_device(torch.empty(1, dtype=torch.int64)) for _ in range(w)]
         ref = inputs[rank]
         rest = tuple(ref.shape[1:])
-        detail = _describe(inputs)
-
-        def _exchange(received_len: list[Tensor]) -> Future:
-            rows = [int(n.item()) for n in received_len]
-            outputs = [
-                torch.empty((n, *rest) if ref.dim() else (), dtype=ref.dtype, device=ref.device) for n in rows
-            ]
-            sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != rank)
-            received = sum(_nbytes(t) for j, t in enumerate(outputs) if j != rank)
-            return self._timed(
-                "all_to_all", sent, received, lambda: backend.all_to_all(outputs, inputs), detail
-            )
-
-        return self._order.post_two_stage(
-            lambda: self._timed(
-                "all_to_all",
-                (w - 1) * 8,
-                (w - 1) * 8,
-                lambda: backend.all_to_all(recv_len, send_len),
-                f"row-count exchange before {detail}",
-            ),
-            _exchange,
+        outputs = [
+            torch.empty((n, *rest) if ref.dim() else (), dtype=ref.dtype, device=ref.device)
+            for n in output_rows
+        ]
+        sent = sum(_nbytes(t) for j, t in enumerate(inputs) if j != rank)
+        received = sum(_nbytes(t) for j, t in enumerate(outputs) if j != rank)
+        return self._post(
+            "all_to_all", sent, received, lambda: backend.all_to_all(outputs, inputs), _describe(inputs)
         )
 
-    def all_to_all(self, inputs: Sequence[Tensor]) -> list[Tensor]:
-        return self._wait(self.all_to_all_async(inputs), "all_to_all", _describe(list(inputs)))
+    def all_to_all(
+        self, inputs: Sequence[Tensor], output_rows: Optional[Sequence[int]] = None
+    ) -> list[Tensor]:
+        """``all_to_all_async`` and wait. Without ``output_rows`` the ranks first exchange their row
+        counts (int64; an ``all_to_all`` call of its own in the counters), so first dimensions may
+        differ freely."""
+        inputs = self._check_all_to_all(inputs)
+        w = self.world_size
+        detail = _describe(inputs)
+        if output_rows is None and w > 1:
+            backend = self.backend
+            send_len = [
+                backend.to_transport_device(torch.tensor([rows(t)], dtype=torch.int64)) for t in inputs
+            ]
+            recv_len = [backend.to_transport_device(torch.empty(1, dtype=torch.int64)) for _ in range(w)]
+            counts = f"row-count exchange before {detail}"
+            fut = self._post(
+                "all_to_all", (w - 1) * 8, (w - 1) * 8, lambda: backend.all_to_all(recv_len, send_len), counts
+            )
+            output_rows = [int(n.item()) for n in self._wait(fut, "all_to_all", counts)]
+        fut = self.all_to_all_async(inputs, [1] * w if output_rows is None else output_rows)
+        return self._wait(fut, "all_to_all", detail)
 
     # -- point to point and barrier ---------------------------------------------------------------
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
@@ -585,9 +481,9 @@ class Communicator:
     def barrier(self) -> None:
         if self.world_size == 1:
             return
-        self._order.wait()
+        self._lanes.wait_idle()
         start = time.perf_counter_ns()
-        with naming_timeouts("barrier", **self.timeout_context()):
+        with naming_timeouts("barrier", self._timeouts.append, **self.timeout_context()):
             self.backend.barrier()
         self.stats.add("barrier", 0, 0, (time.perf_counter_ns() - start) / 1e9)
         self.stats.add_busy((time.perf_counter_ns() - start) / 1e9)

@@ -62,6 +62,16 @@ class Completer:
         """Wait on submitted work again, from now on."""
         self._go.set()
 
+    def is_current(self) -> bool:
+        """Whether the calling thread is this completer's (a callback of one of its futures)."""
+        return self._thread is threading.current_thread()
+
+    @property
+    def running(self) -> bool:
+        """Whether its thread is alive now (it exits after ``IDLE_S`` without work, or at ``stop``)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
         """End the thread once the work already submitted is done (a later ``submit`` restarts it)."""
         with self._lock:

@@ -2,11 +2,13 @@
 
 A compressor (``lightning_dist.compression``) never talks to a transport: each ``Exchange`` yields
 rounds (a payload and how it is aggregated) and takes their aggregates back. ``run_exchanges`` runs
-the rounds of a sequence of exchange groups over a ``Communicator``, one collective per round, in
-one fixed order (group by group, round by round), so every rank issues the same collectives in the
-same order. It never blocks: each round is started from the completion callback of the one before,
-so it is safe inside DDP comm hooks and transport completion threads. The DDP compressed hook,
-``Horovod(compression=...)`` and the tests all drive compressors through it.
+the rounds of a sequence of exchange groups over a transport (``AsyncCollectives``: a
+``Communicator`` is one), one collective per round, in one fixed order (group by group, round by
+round), so every rank issues the same collectives in the same order. It never blocks: each round is
+started from the completion callback of the one before, so it is safe inside DDP comm hooks and
+transport completion threads; a round's shapes are the same on every rank by the exchange's
+contract, so every round is one asynchronous collective (no shape exchange). The DDP compressed
+hook, ``Horovod(compression=...)`` and the tests all drive compressors through it.
 
 A *group* is one exchange, or several exchanges in lockstep whose all-reduce rounds travel as one
 fused all-reduce (Adasum per tensor in the compressed hook).
@@ -16,18 +18,33 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
+from torch import Tensor
 from torch.futures import Future
 
+from lightning_dist.collectives.backend import rows
+
 if TYPE_CHECKING:
-    from lightning_dist.collectives.communicator import Communicator
     from lightning_dist.compression import Exchange
 
 Group = Sequence["Exchange"]
 
 
-def start_round(comm: Communicator, group: Group, all_reduce_op: Optional[str] = None) -> Future:
+class AsyncCollectives(Protocol):
+    """The asynchronous collectives the driver posts (``Communicator`` has them): each posts at once,
+    in call order, and accounts for itself."""
+
+    def all_reduce_async(
+        self, tensor: Union[Tensor, Sequence[Tensor]], op: str = "sum", name: Optional[str] = None
+    ) -> Future: ...
+
+    def all_gather_async(self, tensor: Tensor) -> Future: ...
+
+    def all_to_all_async(self, inputs: Sequence[Tensor], output_rows: Sequence[int]) -> Future: ...
+
+
+def start_round(comm: AsyncCollectives, group: Group, all_reduce_op: Optional[str] = None) -> Future:
     """Start the collective of ``group``'s current round; the future holds what ``feed`` takes.
 
     ``all_reduce_op`` replaces the op of all-reduce rounds (Horovod averages exchanges that were
@@ -51,8 +68,9 @@ def start_round(comm: Communicator, group: Group, all_reduce_op: Optional[str] =
     if first.kind == "allreduce":
         return comm.all_reduce_async(first.payload, op)
     if first.kind == "allgather":
-        return comm.all_gather_async(first.payload, same_shape=True)
-    return comm.all_to_all_async(list(first.payload.unbind(0)))
+        return comm.all_gather_async(first.payload)  # equal shapes on every rank: the round's contract
+    chunks = list(first.payload.unbind(0))  # row j to rank j; every rank's rows have one shape
+    return comm.all_to_all_async(chunks, [rows(chunks[0])] * len(chunks))
 
 
 def feed(group: Group, received: Any) -> None:
@@ -67,8 +85,10 @@ def feed(group: Group, received: Any) -> None:
 class _Driver:
     """Walks the groups' rounds from completion callbacks; completes ``done`` with None at the end."""
 
-    def __init__(self, comm: Communicator, groups: Sequence[Group], op: Optional[str], done: Future) -> None:
-        self.comm: Optional[Communicator] = comm
+    def __init__(
+        self, comm: AsyncCollectives, groups: Sequence[Group], op: Optional[str], done: Future
+    ) -> None:
+        self.comm: Optional[AsyncCollectives] = comm
         self.groups = deque(list(g) for g in groups if g and g[0].round is not None)
         self.op = op
         self.done = done
@@ -117,7 +137,7 @@ class _Driver:
 
 
 def run_exchanges(
-    comm: Communicator,
+    comm: AsyncCollectives,
     groups: Sequence[Group],
     *,
     after: Optional[Future] = None,

@@ -1,47 +1,44 @@
 """``CollectiveTimeout``: a collective that did not complete within the process group's timeout.
 
-The transports report a timed-out operation in their own words, wrapped again by every torch
-future callback it passes through ("Got the following error when running the callback: ...
-[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to
-complete"), without saying which collective was running or what the configured timeout was.
-``translate`` turns such an error into a ``CollectiveTimeout`` that says both, and what to do about
-it; the original error stays its ``__cause__``, and its transport text is quoted in the message
-(an error crossing a torch future callback keeps only its own text, not its cause). Any other error
-passes unchanged.
+The transports report a timed-out operation in their own words ("[gloo/transport/tcp/unbound_buffer.cc:78]
+Timed out waiting 5000ms for recv operation to complete"), without saying which collective was
+running or what the configured timeout was. A communicator's own waits raise a ``CollectiveTimeout``
+that says both, and what to do about it, raised from the transport's error (``translate``,
+``naming_timeouts``). An error raised elsewhere (Lightning re-raising a failed DDP comm hook future
+as a plain ``RuntimeError``, torch DDP's own buffer broadcast, which bypasses the pack) is left as it
+is: a strategy's ``on_exception`` adds a note to it (``add_timeout_note``: ``exc.add_note``) when it
+reports a timed-out collective, with what the pack knows (the collective its communicator saw time
+out, or the torch call that did, the timeout, what to do); its type and args stay.
 
-An exception raised in a torch future callback reaches the waiter as a plain ``RuntimeError`` with
-the text wrapped, and one from a collective that does not go through ``lightning_dist.collectives``
-(torch DDP's own buffer broadcast, say) never had our words at all. ``explain`` rewrites such an
-exception's message in place, the way Lightning's strategies augment messages in ``on_exception``.
+torch has no exception type for a timeout (Gloo raises a plain ``RuntimeError``, NCCL's watchdog a
+``DistBackendError``, each saying so in words), so one function reads the words: ``reports_timeout``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
+
+import torch.distributed as dist
 
 __all__ = [
     "CollectiveTimeout",
-    "explain",
+    "add_timeout_note",
+    "failing_call",
     "is_timeout",
     "naming_timeouts",
+    "reports_timeout",
     "timeout_message",
     "translate",
     "transport_text",
 ]
 
-_TIMEOUT_TEXT = re.compile(
-    r"timed out"  # Gloo: "Timed out waiting 5000ms for recv operation to complete"; NCCL: "... timed out"
-    r"|operation timeout"  # NCCL: "Watchdog caught collective operation timeout: WorkNCCL(...)"
-    r"|CollectiveTimeout",  # ours, re-wrapped by a torch future callback
-    re.IGNORECASE,
-)
-_TRANSPORT = re.compile(r"gloo|nccl|c10d|ProcessGroup|Watchdog", re.IGNORECASE)  # a transport's words
+_TIMED_OUT = re.compile(r"timed out|operation timeout", re.IGNORECASE)
+_COLLECTIVE = re.compile(r"gloo|nccl|c10d|ProcessGroup|Watchdog|CollectiveTimeout", re.IGNORECASE)
 _CALLBACK_PREFIX = "Got the following error when running the callback: "
 _TYPE_PREFIX = re.compile(r"^[A-Za-z_][\w.]*: ")
-_OURS = re.compile(r"\bCollectiveTimeout: (.*?)(?:\n\nAt:\n|$)", re.DOTALL)
 _STACK = "\n\nAt:\n"  # where torch's callback wrapping appends the callback's Python stack
 
 # What a timed-out call inside torch was doing, by the innermost torch function on the stack.
@@ -55,16 +52,33 @@ _TORCH_CALLS = {
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the process group's timeout: a rank stopped, hung or
-    died, or is far slower than the others. ``op`` names the collective, ``timeout_s`` is the
-    configured timeout in seconds (``None`` where the transport does not tell)."""
+    died, or is far slower than the others. ``op`` names the collective, ``detail`` what it moved,
+    ``timeout_s`` is the configured timeout in seconds (``None`` where the transport does not tell)."""
 
-    def __init__(self, message: str, op: str = "", timeout_s: Optional[float] = None) -> None:
+    def __init__(
+        self, message: str, op: str = "", timeout_s: Optional[float] = None, detail: str = ""
+    ) -> None:
         super().__init__(message)
         self.op = op
         self.timeout_s = timeout_s
+        self.detail = detail
 
     def __reduce__(self) -> tuple[Any, ...]:  # picklable (a launcher may send it to another process)
-        return (type(self), (str(self), self.op, self.timeout_s))
+        return (type(self), (str(self), self.op, self.timeout_s, self.detail))
+
+
+def reports_timeout(exc: BaseException, *, from_transport: bool = False) -> bool:
+    """Whether ``exc`` itself reports a timed-out operation: a ``CollectiveTimeout``, or a
+    ``RuntimeError`` (``DistBackendError`` is one) that says so. ``from_transport``: for an error
+    from outside the pack, also require a ``DistBackendError`` or a transport's words (or ours,
+    re-wrapped by a torch future callback): a DataLoader's "timed out" is not a collective's. The
+    only place that reads an error's words."""
+    if isinstance(exc, CollectiveTimeout):
+        return True
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not _TIMED_OUT.search(text):
+        return False
+    return not from_transport or isinstance(exc, dist.DistBackendError) or bool(_COLLECTIVE.search(text))
 
 
 def _timed_out(exc: BaseException) -> Optional[BaseException]:
@@ -72,7 +86,7 @@ def _timed_out(exc: BaseException) -> Optional[BaseException]:
     seen: set[int] = set()
     e: Optional[BaseException] = exc
     while e is not None and id(e) not in seen:
-        if isinstance(e, CollectiveTimeout) or (isinstance(e, RuntimeError) and _TIMEOUT_TEXT.search(str(e))):
+        if reports_timeout(e):
             return e
         seen.add(id(e))
         e = e.__cause__
@@ -82,14 +96,6 @@ def _timed_out(exc: BaseException) -> Optional[BaseException]:
 def is_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) reports a timed-out transport operation."""
     return _timed_out(exc) is not None
-
-
-def _named(exc: BaseException) -> Optional[str]:
-    """The message of the ``CollectiveTimeout`` that ``exc`` is, or whose text it carries."""
-    if isinstance(exc, CollectiveTimeout):
-        return str(exc)
-    found = _OURS.search(str(exc))
-    return found.group(1).strip() if found else None
 
 
 def transport_text(exc: BaseException) -> str:
@@ -160,74 +166,66 @@ def timeout_message(
     )
 
 
-def translate(
-    exc: BaseException,
-    op: str,
-    *,
-    detail: str = "",
-    transport: str = "",
-    timeout_s: Optional[float] = None,
-    rank: Optional[int] = None,
-    world_size: Optional[int] = None,
-) -> BaseException:
-    """``exc`` as a ``CollectiveTimeout`` when it reports a timeout, else ``exc`` itself.
+def translate(exc: BaseException, op: str, **context: Any) -> BaseException:
+    """A new ``CollectiveTimeout`` when ``exc`` (the error of a collective this pack posted) reports
+    a timeout, else ``exc`` itself; one that already is a ``CollectiveTimeout`` is returned as is.
 
-    ``op`` names the collective (``all_reduce``, ``broadcast``, ...), ``detail`` adds what it was
-    moving (reduction, element count and dtype), ``transport`` the process group's backend
-    (``gloo``, ``nccl``), ``timeout_s`` its configured timeout in seconds. The returned error has
-    ``exc`` as its ``__cause__``. An error that already is a ``CollectiveTimeout`` is returned as is;
-    one that was a ``CollectiveTimeout`` before a torch future callback re-wrapped it as a
-    ``RuntimeError`` becomes one again, with its message unchanged.
+    ``op`` names the collective (``all_reduce``, ``broadcast``, ...); ``context`` is what
+    ``timeout_message`` takes: ``detail`` (what it was moving: reduction, element count and dtype),
+    ``transport`` (the process group's backend: ``gloo``, ``nccl``), ``timeout_s`` (its configured
+    timeout in seconds), ``rank`` and ``world_size``. The new error quotes the transport's words and
+    has ``exc`` as its ``__cause__``.
     """
     found = _timed_out(exc)
     if found is None or isinstance(exc, CollectiveTimeout):
         return exc
-    message = _named(found) or timeout_message(
-        op,
-        detail=detail,
-        transport=transport,
-        timeout_s=timeout_s,
-        rank=rank,
-        world_size=world_size,
-        cause=transport_text(found),
-    )
-    new = CollectiveTimeout(message, op, timeout_s)
+    message = timeout_message(op, cause=transport_text(found), **context)
+    new = CollectiveTimeout(message, op, context.get("timeout_s"), context.get("detail", ""))
     new.__cause__ = exc
     return new
 
 
-def explain(exc: BaseException, op: Optional[str] = None, **context: Any) -> bool:
-    """Rewrite the message of ``exc``, in place, when it reports a timed-out collective: to the
-    ``CollectiveTimeout`` message it carries (a ``RuntimeError`` re-wrapped by torch future
-    callbacks), else to a new one naming ``op`` (default: what the innermost torch function on its
-    stack was doing, see ``failing_call``) and ``context`` (as ``translate`` takes it) and quoting the
-    transport's words. The type stays; returns whether it was a timed-out collective.
-
-    For a strategy's ``on_exception``, which sees every exception of a fit before Lightning re-raises
-    it: a timeout that is neither ours nor in a transport's words nor raised inside torch.distributed
-    or DDP (a DataLoader's "timed out", say) is left alone."""
-    found = _timed_out(exc)
-    if found is None:
-        return False
-    if isinstance(exc, CollectiveTimeout):
-        return True
-    message = _named(found)
-    if message is None:
-        subject = op or failing_call(exc)
-        if subject == "a collective" and not _TRANSPORT.search(str(found)):
-            return False
-        message = timeout_message(subject, cause=transport_text(found), **context)
-    exc.args = (message,)
-    return True
-
-
 @contextlib.contextmanager
-def naming_timeouts(op: str, **context: Any) -> Iterator[None]:
-    """Raise a timeout inside the block as ``translate(exc, op, **context)``, from the original."""
+def naming_timeouts(
+    op: str, record: Optional[Callable[[CollectiveTimeout], Any]] = None, **context: Any
+) -> Iterator[None]:
+    """Raise a timeout inside the block as ``translate(exc, op, **context)``, from the original;
+    ``record`` (a communicator's log of its timeouts) is handed each one raised."""
     try:
         yield
     except Exception as exc:
         new = translate(exc, op, **context)
         if new is exc:
             raise
+        assert isinstance(new, CollectiveTimeout)
+        if record is not None:
+            record(new)
         raise new from exc
+
+
+def add_timeout_note(
+    exc: BaseException, recorded: Optional[CollectiveTimeout] = None, **context: Any
+) -> bool:
+    """A strategy's ``on_exception``: when ``exc``, raised outside the pack's own waits, reports a
+    timed-out collective, add a note (``exc.add_note``, once) saying which collective, the timeout
+    and what to do; ``exc``'s type and args stay. Returns whether it has one now.
+
+    The note is ``recorded``'s message (the last timeout the strategy's communicator saw: a DDP comm
+    hook's future fails with it, and Lightning re-raises a plain ``RuntimeError``), else a
+    ``timeout_message`` about ``failing_call(exc)`` with ``context`` (as ``translate`` takes it)
+    quoting the transport's words. A ``CollectiveTimeout`` already says it all; a timeout neither in
+    a transport's words nor raised inside torch.distributed or DDP (a DataLoader's "timed out") gets
+    no note."""
+    found = _timed_out(exc)
+    if found is None or isinstance(exc, CollectiveTimeout):
+        return False
+    subject = failing_call(exc)
+    if subject == "a collective" and not reports_timeout(found, from_transport=True):
+        return False
+    if recorded is not None:
+        note = str(recorded)
+    else:
+        note = timeout_message(subject, cause=transport_text(found), **context)
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+    return True

@@ -272,6 +272,11 @@ class TorchBackend(Backend):
         return completer.submit(work.wait, lambda _: tensor)
 
     @override
+    def close(self) -> None:
+        for completer in list(self._completers.values()):
+            completer.stop()
+
+    @override
     def barrier(self) -> None:
         if self.device_type == "cuda":
             # A tiny all-reduce instead of ProcessGroup.barrier, which guesses a device for NCCL.

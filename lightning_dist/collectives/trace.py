@@ -2,7 +2,7 @@
 
 While a ``Recorder`` is active (``start``/``stop`` or ``recording()``), every ``Communicator`` in
 this process adds one ``CollectiveEvent`` per operation: its op, the bytes the wire model counts
-(the same as ``stats()``), when it was posted and when its future completed (asynchronous calls:
+(the same as the communicator's ``stats``), when it was posted and when its future completed (asynchronous calls:
 posting and completion may be on different threads, and several may be in flight at once), the
 posting thread and the communicator's rank. Off (the default) it costs one ``None`` check per call.
 
@@ -29,7 +29,7 @@ class CollectiveEvent(NamedTuple):
     """One collective operation on one rank (times in ``perf_counter_ns``)."""
 
     op: str
-    """``all_reduce``, ``broadcast``, ``all_gather``, ``send``, ``adasum``..., as in ``stats()``."""
+    """``all_reduce``, ``broadcast``, ``all_gather``, ``send``, ``adasum``..., as in ``Communicator.stats``."""
     start_ns: int
     """When it was posted (a held-back call: when it was really posted)."""
     end_ns: int

@@ -1,23 +1,30 @@
-"""A DDP communication hook that sends every gradient bucket through ``lightning_dist.collectives``."""
+"""A DDP communication hook that sends every gradient bucket through the strategy's communicator.
+
+The hook's state carries the ``Communicator`` (as torchft's hooks carry its Manager): the strategy
+sets ``state.comm`` when it registers the hook."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.adasum import back_to_back
 
 
 @dataclass
 class CollectivesHookState:
-    """What the hook needs per model: the reduction and a call counter (observable in tests)."""
+    """What the hook needs per model: the transport, the reduction and a call counter (observable
+    in tests)."""
 
     reduce_op: str = "avg"
     calls: int = 0
+    comm: Optional[Communicator] = None
+    """The communicator the buckets go through (set by the strategy when it registers the hook)."""
 
 
 def collectives_hook(
@@ -25,7 +32,8 @@ def collectives_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket: fused for sum/avg, per parameter tensor for Adasum."""
     state.calls += 1
-    comm = collectives.current()
+    comm = state.comm
+    assert comm is not None, "collectives_hook: the strategy sets state.comm when it registers the hook"
     buffer = bucket.buffer()
     if state.reduce_op != "adasum":
         return comm.all_reduce_async(buffer, state.reduce_op)

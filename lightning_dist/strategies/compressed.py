@@ -22,7 +22,6 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
 from lightning_dist.strategies.cpu_state import to_cpu
@@ -60,7 +59,7 @@ def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, A
 
 
 class Compressed(RankStateMixin, DDP):
-    """Data-parallel training with compressed gradients, on Gloo or NCCL, through ``collectives``.
+    """Data-parallel training with compressed gradients, on Gloo or NCCL, through its communicator.
 
     Args:
         compressor: a name (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"topk"``, ``"powersgd"``,
@@ -68,7 +67,7 @@ class Compressed(RankStateMixin, DDP):
         reduce_op: ``"avg"``, or ``"adasum"`` (per parameter tensor, in gradient space) for the
             compressors whose ``supports_adasum`` is true.
         log_stats: log ``compression/bytes_per_step`` (bytes this rank sent for the gradients, from
-            the collectives counters) and ``compression/ratio`` (those bytes over a ring all-reduce of
+            its communicator's counters) and ``compression/ratio`` (those bytes over a ring all-reduce of
             the fp32 gradients) at every optimizer step.
         **options: the compressor's options (``rank=4``) and ``DDP``'s (``bucket_cap_mb``, ``start_method`` ...).
     """
@@ -130,9 +129,10 @@ class Compressed(RankStateMixin, DDP):
     # -- accounting ---------------------------------------------------------------------------------
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
-        before = collectives.stats().bytes_sent
+        stats = self._transport().stats
+        before = stats.bytes_sent
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        self._step_bytes += collectives.stats().bytes_sent - before
+        self._step_bytes += stats.bytes_sent - before
         return loss
 
     @override

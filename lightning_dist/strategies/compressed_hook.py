@@ -1,4 +1,4 @@
-"""A DDP communication hook that runs a compressor's ``Exchange`` over ``lightning_dist.collectives``.
+"""A DDP communication hook that runs a compressor's ``Exchange`` over the strategy's communicator.
 
 Every collective of every bucket is issued in one global order, the same on every rank
 (``collectives.exchanges.run_exchanges``): a bucket's first round starts from the hook when no earlier
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import Compressor, Exchange, reference_bytes
 from lightning_dist.warn import warn_once
@@ -42,6 +42,8 @@ class CompressedHookState:
 
     compressor: Compressor
     adasum: bool = False
+    comm: Optional[Communicator] = None
+    """The communicator the exchanges go through (set by the strategy when it registers the hook)."""
     param_index: dict[int, int] = field(default_factory=dict)
     """``id(parameter)`` -> its index in ``module.parameters()`` (set when the hook is registered)."""
     layout: Layout = field(default_factory=dict)
@@ -117,9 +119,10 @@ class _Bucket:
 def compressed_hook(
     state: CompressedHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """Compress one bucket and exchange it through ``collectives`` (see the module docstring)."""
+    """Compress one bucket and exchange it through ``state.comm`` (see the module docstring)."""
     state.calls += 1
-    comm = collectives.current()
+    comm = state.comm
+    assert comm is not None, "compressed_hook: the strategy sets state.comm when it registers the hook"
     world_size, rank = comm.world_size, comm.rank
     compressor = state.compressor
     grads = bucket.gradients()

@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_dist import collectives
+from lightning_dist.collectives import Communicator, TorchBackend
 from lightning_dist.compat import _IS_INTERACTIVE, _init_dist_connection, _SubprocessScriptLauncher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
@@ -143,9 +143,9 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout, **self._process_group_kwargs()}
         kwargs["device_id"] = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        collectives.use(collectives.Communicator(collectives.TorchBackend()))
+        self._set_communicator(Communicator(TorchBackend()))
         logger.debug(
-            "%s: process group ready (rank %d of %d, backend %s); collectives installed",
+            "%s: process group ready (rank %d of %d, backend %s); communicator made",
             type(self).__name__,
             self.global_rank,
             self.world_size,
@@ -156,7 +156,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     def setup(self, trainer: Any) -> None:
         # before DistributedDataParallel (or, outside fit, the module-state broadcast) touches the model
         assert self.model is not None
-        check_same_model(self.model, type(self).__name__)
+        check_same_model(self.model, type(self).__name__, self._transport())
         super().setup(trainer)
 
     def _process_group_kwargs(self) -> dict[str, Any]:
@@ -166,6 +166,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     @override
     def _register_ddp_hooks(self) -> None:
         assert isinstance(self.model, DistributedDataParallel)
+        self.hook_state.comm = self._transport()  # the hook's transport: this strategy's communicator
         self.model.register_comm_hook(self.hook_state, self._comm_hook())
         logger.debug(
             "%s: comm hook %s registered on %s",
@@ -183,14 +184,14 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         module = self.lightning_module
         step = module.trainer.global_step if module is not None and module._trainer is not None else -1
-        result = super().optimizer_step(optimizer, guard.wrap(optimizer, closure, step), model, **kwargs)
+        wrapped = guard.wrap(optimizer, closure, step, self._transport())
+        result = super().optimizer_step(optimizer, wrapped, model, **kwargs)
         if module is not None and module._current_fx_name is not None:
             module.log("skipped_nonfinite_steps", float(guard.skipped), on_step=True, on_epoch=False)
         return result
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        collectives.explain_timeout(exception)  # name a timed-out collective and the timeout
         if isinstance(self.launcher, _SubprocessScriptLauncher):
             # rank 0 of Lightning's launcher: its child ranks must not outlive it. Ranks that hit the
             # same error end by themselves (and report it); a stopped or hung one is killed.
@@ -205,7 +206,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        collectives.release()
+        self._close_communicator()
 
     @classmethod
     @override

@@ -36,7 +36,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.cpu_state import to_cpu
@@ -210,7 +209,7 @@ class DiLoCo(RankStateMixin, DDP):
         self.syncs = 0
         """Syncs so far (over the whole run, resumed ones included)."""
         self.sync_bytes = 0
-        """Bytes this rank sent for the pseudo-gradients in this process's syncs (collectives counters)."""
+        """Bytes this rank sent for the pseudo-gradients in this process's syncs (communicator counters)."""
         self.buffer_bytes = 0
         """Bytes this rank sent for the buffers in this process's syncs."""
         self._restored_per_rank = False
@@ -227,9 +226,10 @@ class DiLoCo(RankStateMixin, DDP):
         unless each rank's own weights were just restored from a checkpoint."""
         assert self.model is not None
         if not self._restored_per_rank:
+            comm = self._transport()
             with torch.no_grad():
                 for t in [*self.model.parameters(), *self.model.buffers()]:
-                    collectives.broadcast(t.detach(), 0)
+                    comm.broadcast(t.detach(), 0)
         self._restored_per_rank = False
         logger.debug("DiLoCo: no DistributedDataParallel; inner_steps=%d", self.inner_steps)
 
@@ -275,14 +275,15 @@ class DiLoCo(RankStateMixin, DDP):
         """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
         outer = self.outer
         assert outer is not None, "DiLoCo.sync: setup() has not run"
-        stats = collectives.stats()
+        comm = self._transport()
+        stats = comm.stats
         before = stats.bytes_sent
         outer.step(self._average(outer.pseudo_gradients()))
         middle = stats.bytes_sent
         if self.sync_buffers and self.lightning_module is not None:
             buffers = _persistent_float_buffers(self.lightning_module)
             for indices in _by_dtype(buffers).values():
-                collectives.all_reduce([buffers[i] for i in indices], "avg")
+                comm.all_reduce([buffers[i] for i in indices], "avg")
         self.sync_bytes += middle - before
         self.buffer_bytes += stats.bytes_sent - middle
         self.inner_step = 0
@@ -290,7 +291,7 @@ class DiLoCo(RankStateMixin, DDP):
 
     def _average(self, deltas: list[Tensor]) -> list[Tensor]:
         """The ranks' average of ``deltas`` through the compressor (one exchange per dtype)."""
-        comm = collectives.current()
+        comm = self._transport()
         out: list[Optional[Tensor]] = [None] * len(deltas)
         for dtype, indices in _by_dtype(deltas).items():
             ex = self.compressor.exchange(

@@ -41,7 +41,6 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.compat import (
     _PATH,
     checkpoint_batch_progress,
@@ -213,7 +212,7 @@ class ElasticMixin(_MixinBase):
         self.writer = BackgroundWriter(self.store) if self.background_commits else None
         commit = self.store.load_latest()
         step = None if commit is None else commit.step
-        steps = collectives.all_gather(torch.tensor([-1 if step is None else step]))
+        steps = self._transport().all_gather(torch.tensor([-1 if step is None else step]))
         if len({int(s) for s in steps}) != 1:
             raise RuntimeError(
                 f"Elastic: ranks found different newest commits in {dirpath} "
@@ -256,7 +255,7 @@ class ElasticMixin(_MixinBase):
         # a resumed run loads the commit before setup() compares the ranks' models: compare first,
         # so a rank with another model gets the same clear error as every other rank
         assert self.lightning_module is not None
-        check_same_model(self.lightning_module, type(self).__name__)
+        check_same_model(self.lightning_module, type(self).__name__, self._transport())
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override

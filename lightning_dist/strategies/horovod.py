@@ -1,4 +1,4 @@
-"""``Horovod``: data-parallel training on Horovod through ``collectives``, gradients all-reduced.
+"""``Horovod``: data-parallel training on Horovod through its communicator, gradients all-reduced.
 
 What it shares with ``HorovodAdasum`` (ranks and devices from Horovod, broadcast at setup, lr scaling)
 is ``HorovodBase`` (``horovod_base.py``). Gradients are reduced as they become ready (a
@@ -18,7 +18,6 @@ from torch import Tensor
 from torch.futures import Future
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
@@ -100,7 +99,7 @@ class Horovod(HorovodBase):
     def _make_hook(self, key: int) -> Callable[[Tensor], None]:
         """Start the gradient's all-reduce (or its compressor's first round) as soon as it is ready."""
         op = "avg" if self.op == "average" else "sum"
-        comm = collectives.current
+        comm = self._transport
 
         def hook(param: Tensor) -> None:
             if not self._sync_grads or param.grad is None:
@@ -127,7 +126,7 @@ class Horovod(HorovodBase):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
         # The gradients' all-reduces start in their hooks during backward; waiting for them there
         # would spin beside the backward pass (as Horovod's optimizer does, wait once it is done).
-        with collectives.current().completions_held():
+        with self.backend.completions_held():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _wait_for_gradients(self) -> None:
@@ -135,7 +134,7 @@ class Horovod(HorovodBase):
         pending, self._pending = self._pending, []
         self._reductions.clear()
         op = "avg" if self.op == "average" else "sum"
-        comm = collectives.current()
+        comm = self._transport()
         chain: Optional[Future] = None
         for _, first, ex in pending:
             if ex is not None:

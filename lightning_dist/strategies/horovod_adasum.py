@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
@@ -111,7 +111,7 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
         with torch.no_grad():
             updates = [p.detach() for p in params]
             torch._foreach_sub_(updates, start)  # each parameter now holds its update
-            collectives.all_reduce(updates, "adasum")
+            self._transport().all_reduce(updates, "adasum")
             torch._foreach_add_(updates, start)
             torch._foreach_copy_(start, updates)
         return result
@@ -123,12 +123,8 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
 
     # -- checkpoints: every rank's optimizer state (lightning_dist.strategies.rank_state) ------------
     @override
-    def rank_state_comm(self) -> collectives.Communicator:
-        comm = collectives.current()
-        if comm.world_size != self.world_size:
-            # ``trainer.save_checkpoint`` after ``fit``: teardown uninstalled this strategy's transport
-            comm = collectives.Communicator(self.backend)
-        return comm
+    def rank_state_comm(self) -> Communicator:
+        return self._backend_communicator()  # after ``fit`` too (``trainer.save_checkpoint``)
 
     @override
     def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:

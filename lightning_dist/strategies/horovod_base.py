@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.lr_scaling import scale_learning_rates
@@ -116,7 +116,7 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
         from lightning_dist.strategies.slurm_check import check_horovod_under_slurm
 
         check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
-        collectives.use(collectives.Communicator(self.backend))
+        self._set_communicator(Communicator(self.backend))
         logger.debug(
             "%s: rank %d of %d on %s",
             type(self).__name__,
@@ -142,9 +142,9 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model_to_device()
         assert self.model is not None
-        check_same_model(self.model, type(self).__name__)
+        check_same_model(self.model, type(self).__name__, self._transport())
         self._broadcast_module_state()
-        metrics = route_metric_sync(self.model)
+        metrics = route_metric_sync(self.model, self._transport())
         logger.debug("%s: model broadcast from rank 0; %d torchmetrics routed", type(self).__name__, metrics)
         if trainer.state.fn == "fit":
             self.setup_optimizers(trainer)
@@ -162,15 +162,23 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
     def _setup_step_sync(self) -> None:
         """Prepare what synchronises the ranks at each step (fit only; the optimizers are set up)."""
 
+    def _backend_communicator(self) -> Communicator:
+        """The communicator, made from Horovod's backend when none is yet (a checkpoint written by a
+        strategy that was not set up in this process): Horovod's ranks exist once it is initialised."""
+        if self._communicator is None:
+            self._set_communicator(Communicator(self.backend))
+        return self._transport()
+
     def _broadcast_module_state(self) -> None:
         assert self.model is not None
+        comm = self._transport()
         with torch.no_grad():
             for tensor in list(self.model.parameters()) + list(self.model.buffers()):
-                collectives.broadcast(tensor.data, 0)
+                comm.broadcast(tensor.data, 0)
 
     def _broadcast_optimizer_state(self) -> None:
         for i, optimizer in enumerate(self.optimizers):
-            state = collectives.broadcast_object(optimizer.state_dict(), 0)
+            state = self._transport().broadcast_object(optimizer.state_dict(), 0)
             if self.global_rank != 0:
                 self.optimizers[i].load_state_dict(state)
 
@@ -191,7 +199,7 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
     @override
     def teardown(self) -> None:
         super().teardown()
-        collectives.release()
+        self._close_communicator()
 
     @classmethod
     @override

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional
 
 import torch
 from torch import nn
 
-from lightning_dist import collectives
 from lightning_dist.collectives import Communicator
 
 Entry = tuple[str, str, tuple[int, ...], str, bool]
@@ -70,14 +68,13 @@ def first_difference(reference: list[Entry], other: list[Entry], rank: int) -> s
     return f"rank 0 and rank {rank} hold the same parameters and buffers, registered in a different order"
 
 
-def check_same_model(module: nn.Module, owner: str, comm: Optional[Communicator] = None) -> None:
+def check_same_model(module: nn.Module, owner: str, comm: Communicator) -> None:
     """Raise the same ``ValueError`` on every rank unless all ranks' ``module`` has the same
     parameters and buffers (names, shapes, dtypes, ``requires_grad``), in the same order.
 
     Called on every rank at once, before the first collective on the model's tensors. ``owner``
-    (the strategy's name) starts the message; ``comm`` defaults to the current communicator.
+    (the strategy's name) starts the message; ``comm`` is the strategy's communicator.
     """
-    comm = comm or collectives.current()
     if comm.world_size <= 1:
         return
     entries = describe_model(module)

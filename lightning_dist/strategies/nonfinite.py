@@ -1,7 +1,7 @@
 """Skip an optimizer step on every rank when any rank's gradients hold NaN or Inf.
 
 After the closure (forward, backward, gradient reduction) each rank checks its own gradients, one
-flag is all-reduced with ``max`` through ``collectives``, and when it is set every rank drops its
+flag is all-reduced with ``max`` through the strategy's communicator, and when it is set every rank drops its
 gradients (``grad = None``) so the optimizer leaves every parameter and its state untouched. The
 same flag on every rank means the same skipped step everywhere: no rank runs ahead, none hangs.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_dist import collectives
+from lightning_dist.collectives import Communicator
 from lightning_dist.compression.packing import all_finite
 
 logger = logging.getLogger(__name__)
@@ -34,11 +34,15 @@ class NonFiniteGuard:
         self.skipped = 0
         self.last_skipped = False
 
-    def wrap(self, optimizer: Any, closure: Callable[[], Any], step: int) -> Callable[[], Any]:
+    def wrap(
+        self, optimizer: Any, closure: Callable[[], Any], step: int, comm: Communicator
+    ) -> Callable[[], Any]:
+        """``closure`` followed by the check; the flag goes through ``comm`` (the strategy's)."""
+
         def guarded() -> Any:
             result = closure()
             flag = torch.tensor([0.0 if local_grads_finite(optimizer) else 1.0])
-            self.last_skipped = bool(collectives.all_reduce(flag, "max").item() > 0)
+            self.last_skipped = bool(comm.all_reduce(flag, "max").item() > 0)
             if self.last_skipped:
                 self.skipped += 1
                 for group in optimizer.param_groups:

@@ -30,12 +30,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.strategies import Strategy
 from typing_extensions import override
 
-from lightning_dist import collectives
 from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
+from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.warn import warn_once
 
 __all__ = ["RankStateMixin", "RankStates", "gather_objects"]
@@ -121,7 +120,7 @@ class RankStates:
         return None
 
 
-class RankStateMixin(Strategy):
+class RankStateMixin(CollectiveOpsMixin):
     """``save_checkpoint`` adds every rank's ``rank_state`` to rank 0's checkpoint, gathered in one
     collective; put it before the strategy's Lightning base (``class DiLoCo(RankStateMixin, DDP)``).
 
@@ -141,8 +140,8 @@ class RankStateMixin(Strategy):
         return {}
 
     def rank_state_comm(self) -> Communicator:
-        """The communicator the per-rank states are gathered over."""
-        return collectives.current()
+        """The communicator the per-rank states are gathered over: the strategy's own."""
+        return self._transport()
 
     def gather_rank_states(self, checkpoint: Mapping[str, Any]) -> Optional[list[dict[str, Any]]]:
         """Every rank's ``rank_state(checkpoint)`` on rank 0 (``None`` on the others, or when there is

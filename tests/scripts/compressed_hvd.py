@@ -45,7 +45,7 @@ def main() -> None:
     )
     trainer.fit(model)
     save_fitted(
-        a.out, trainer, model, losses=monitor.losses, stats=lightning_dist.collectives.stats().snapshot()
+        a.out, trainer, model, losses=monitor.losses, stats=trainer.strategy.communicator.stats.snapshot()
     )
 
 

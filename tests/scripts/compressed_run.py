@@ -81,7 +81,6 @@ def fit(run: dict[str, Any], out: str) -> None:
         loaded.pop(CHECKPOINT_KEY, None)
         ckpt = f"{ckpt}.dropped{trainer.global_rank}"
         torch.save(loaded, ckpt)
-    collectives.reset_stats()
     trainer.fit(model, ckpt_path=ckpt)
     if run.get("save"):
         trainer.save_checkpoint(run["save"])

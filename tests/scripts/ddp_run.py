@@ -47,17 +47,18 @@ def main() -> None:
     )
     tracker = CommMonitor(log=False)
     trainer.callbacks.append(tracker)
-    collectives.reset_stats()
-    trainer.fit(model)
+    trainer.fit(model)  # the strategy's communicator, made at setup, counts from zero
     hook_state = getattr(trainer.strategy, "hook_state", None)
     grads = [p.grad for p in model.parameters() if p.grad is not None]
+    comm = getattr(trainer.strategy, "communicator", None)  # Lightning's "ddp" has none
+    snapshot = comm.stats.snapshot() if comm is not None else {}
     save_fitted(
         a.out,
         trainer,
         model,
         hook_calls=getattr(hook_state, "calls", None),
-        all_reduce_calls=collectives.stats().snapshot().get("all_reduce.calls", 0),
-        all_reduce_bytes_sent=collectives.stats().snapshot().get("all_reduce.bytes_sent", 0),
+        all_reduce_calls=snapshot.get("all_reduce.calls", 0),
+        all_reduce_bytes_sent=snapshot.get("all_reduce.bytes_sent", 0),
         train_loss=float(trainer.callback_metrics["train_loss"]),
         losses=tracker.losses,
         grads=len(grads),

@@ -95,9 +95,8 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         loaded.pop(CHECKPOINT_KEY)
         ckpt = f"{ckpt}.dropped{trainer.global_rank}"
         torch.save(loaded, ckpt)
-    collectives.reset_stats()
     trainer.fit(model, ckpt_path=ckpt)
-    snapshot = collectives.stats().snapshot()
+    snapshot = trainer.strategy.communicator.stats.snapshot()  # made at setup: counts from zero
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
         entry = trainer.strategy.checkpoint_entry()  # from the module and optimizer (a commit writer's way)

@@ -131,13 +131,15 @@ def check_backend(rank: int, size: int) -> dict[str, bool]:
     checks["all_gather_unequal"] = gather_unequal
 
     def gather_then_reduce() -> bool:
-        """An unequal gather's data exchange is posted from a callback; a call right after it
-        must still be posted after it on every rank."""
-        gathered = comm.all_gather_async(torch.full((rank + 1, 2), float(rank)))
-        reduced = comm.all_reduce_async(torch.ones(3), "sum")
-        got = gathered.wait()
-        return torch.equal(reduced.wait(), torch.full((3,), float(size))) and all(
-            torch.equal(g, torch.full((j + 1, 2), float(j))) for j, g in enumerate(got)
+        """An unequal gather exchanges shapes first, on the calling thread, between an all-reduce
+        posted before it and one posted after it: every rank posts the four in call order."""
+        before = comm.all_reduce_async(torch.ones(3), "sum")
+        got = comm.all_gather(torch.full((rank + 1, 2), float(rank)))
+        after = comm.all_reduce_async(torch.full((2,), 2.0), "sum")
+        return (
+            torch.equal(before.wait(), torch.full((3,), float(size)))
+            and torch.equal(after.wait(), torch.full((2,), 2.0 * size))
+            and all(torch.equal(g, torch.full((j + 1, 2), float(j))) for j, g in enumerate(got))
         )
 
     checks["all_gather_then_all_reduce"] = gather_then_reduce

@@ -66,7 +66,7 @@ def main() -> None:
         losses=tracker.losses,
         val_acc=float(trainer.callback_metrics.get("val_acc", torch.tensor(float("nan")))),
         lr_scale=strategy.applied_lr_scale,
-        stats=lightning_dist.collectives.stats().snapshot(),
+        stats=trainer.strategy.communicator.stats.snapshot(),
     )
 
 

@@ -29,16 +29,17 @@ from lightning_dist.workload.trainer import quiet_trainer
 
 
 class Counters(L.Callback):
-    """The collectives counters when training starts and ends (outside the monitor's windows)."""
+    """The strategy's communicator's counters when training starts and ends (outside the monitor's
+    windows)."""
 
     def __init__(self) -> None:
         self.at: dict[str, dict[str, float]] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.at["start"] = collectives.stats().snapshot()
+        self.at["start"] = trainer.strategy.communicator.stats.snapshot()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.at["end"] = collectives.stats().snapshot()
+        self.at["end"] = trainer.strategy.communicator.stats.snapshot()
 
 
 STRATEGIES: dict[str, Callable[[], Any]] = {
