@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
+import torch
 from torch import Tensor
 from torch.futures import Future
 
@@ -73,6 +74,13 @@ def start_round(comm: AsyncCollectives, group: Group, all_reduce_op: Optional[st
     return comm.all_to_all_async(chunks, [rows(chunks[0])] * len(chunks))
 
 
+def same_threads_as_caller(threads: int) -> None:
+    """Give this (transport callback) thread the caller's CPU thread count before it computes a
+    round: torch keeps MKL's count per thread, and a GEMM (PowerSGD's) split over another number of
+    threads rounds differently, so ranks whose rounds run on different threads would drift apart."""
+    torch.set_num_threads(threads)
+
+
 def feed(group: Group, received: Any) -> None:
     """Hand a round's aggregate to the group's exchange(s)."""
     if len(group) == 1:
@@ -92,6 +100,7 @@ class _Driver:
         self.groups = deque(list(g) for g in groups if g and g[0].round is not None)
         self.op = op
         self.done = done
+        self.threads = torch.get_num_threads()
 
     def _finish(self, exc: Optional[BaseException] = None) -> None:
         # Let go of the communicator before completing: the last reference to a process group must
@@ -111,6 +120,7 @@ class _Driver:
 
     def _landed(self, fut: Future) -> None:
         try:
+            same_threads_as_caller(self.threads)
             feed(self.groups[0], fut.value())
         except BaseException as exc:  # noqa: BLE001  (delivered through the done future)
             self._finish(exc)
