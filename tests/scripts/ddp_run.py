@@ -18,7 +18,7 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ld_ddp")
     p.add_argument("--start-method", default=None)
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     strategy: object = a.strategy
     if a.strategy == "DDP":

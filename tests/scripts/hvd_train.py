@@ -19,7 +19,7 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="horovod")
     p.add_argument("--accumulate", type=int, default=1)
@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--precision", default="32-true")
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     lr_scale = a.lr_scale if a.lr_scale == "auto" else float(a.lr_scale)
     strategy = {
