@@ -132,13 +132,13 @@ def run_script(args: list[str], timeout: float = 120, **env: str) -> subprocess.
 
 
 def run_in_sequence(
-    runs: list[list[str]], timeout: float, launcher: Sequence[str] = (), **env: str
+    runs: list[list[str]], timeout: float, launcher: Sequence[str] = (sys.executable,), **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """One launch (``launcher``, e.g. mpirun's or torchrun's command, or none: Lightning's) that runs
-    ``runs`` one after another in the same processes, each a script of tests/scripts and its
-    arguments (tests/scripts/in_sequence.py); fail with the output."""
-    script = str(SCRIPTS / "in_sequence.py")
-    return run_script([*launcher, sys.executable, script, json.dumps(runs)], timeout, **env)
+    """One launch that runs ``runs`` one after another in the same processes, each a script of
+    tests/scripts and its arguments (tests/scripts/in_sequence.py); fail with the output.
+    ``launcher``: what comes before the script's path (python: Lightning's launcher starts the
+    ranks; mpirun's command ending in python; torchrun's)."""
+    return run_script([*launcher, str(SCRIPTS / "in_sequence.py"), json.dumps(runs)], timeout, **env)
 
 
 def load_rank(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
