@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.strategy == "DDP":
         strategy = lightning_dist.DDP(start_method=a.start_method or "auto")
     L.seed_everything(7, verbose=False)
-    model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size))
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size, lr=a.lr))
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=a.devices,
