@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,16 @@ def run_script(args: list[str], timeout: float = 120, **env: str) -> subprocess.
             f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def run_in_sequence(
+    runs: list[list[str]], timeout: float, launcher: Sequence[str] = (sys.executable,), **env: str
+) -> subprocess.CompletedProcess[str]:
+    """One launch that runs ``runs`` one after another in the same processes, each a script of
+    tests/scripts and its arguments (tests/scripts/in_sequence.py); fail with the output.
+    ``launcher``: what comes before the script's path (python: Lightning's launcher starts the
+    ranks; mpirun's command ending in python; torchrun's)."""
+    return run_script([*launcher, str(SCRIPTS / "in_sequence.py"), json.dumps(runs)], timeout, **env)
 
 
 def load_rank(out: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -81,3 +81,32 @@ def diloco(
                 for n, p in m.named_parameters():
                     p.copy_(anchor[n])
     return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
+
+
+def update_space_adasum(
+    start: Weights, batches: list[list[tuple[Tensor, Tensor]]], lr: float, weight_decay: float
+) -> Weights:
+    """HorovodAdasum with AdamW written out on one process for 2 ranks: every step each rank starts
+    from the same weights, takes torch's AdamW step (its own moments) on its own batch
+    (``batches[r]``, in order), and the weights move by the pairwise Adasum of the two updates,
+    parameter by parameter. Returns the final weights."""
+    torch.set_num_threads(1)
+    models = [TinyCausalLM(WorkloadConfig.tiny(seed=7)) for _ in batches]
+    for m in models:
+        m.load_state_dict(start)
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay) for m in models]
+    current = {n: start[n].clone() for n, _ in models[0].named_parameters()}
+    for step in range(len(batches[0])):
+        deltas = []
+        for m, opt, shard in zip(models, opts, batches, strict=True):
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    p.copy_(current[n])
+            x, y = shard[step]
+            loss = torch.nn.functional.cross_entropy(m(x).flatten(0, 1).float(), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            deltas.append({n: p.detach() - current[n] for n, p in m.named_parameters()})
+        current = {n: current[n] + adasum_pair(deltas[0][n], deltas[1][n]).float() for n in current}
+    return current

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, run_script
+from helpers import run_in_sequence
 from test_horovod_strategy import ROOT_FLAGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-SCRIPT = str(SCRIPTS / "collective_contract.py")
+SCRIPT = "collective_contract.py"
 BUDGET = 120
 LAUNCH = {
     "DDP": "lightning",
@@ -33,22 +33,44 @@ LAUNCH = {
 DIFFERS = {"reduce_int_mean"}
 
 
-def contract(out: Path, strategy: str, launch: str = "lightning") -> list[dict[str, torch.Tensor]]:
-    args = [SCRIPT, "--strategy", strategy, "--out", str(out)]
-    if launch == "torchrun":
-        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    elif launch == "mpirun":
+def launch(root: Path, strategies: list[str], how: str) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The contract with each of ``strategies``, one after another in one launch of kind ``how``;
+    each strategy's per-rank results."""
+    launcher = [sys.executable]
+    if how == "torchrun":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    elif how == "mpirun":
         if shutil.which("mpirun") is None:
             pytest.skip("mpirun not found (apt-get install openmpi-bin)")
         pytest.importorskip("horovod.torch", reason="Horovod not installed (lightning-dist install-horovod)")
-        args = ["mpirun", "-np", "2", *ROOT_FLAGS, "-x", "PYTHONPATH", sys.executable, *args]
-    run_script(args, timeout=BUDGET)
-    return [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+        launcher = ["mpirun", "-np", "2", *ROOT_FLAGS, "-x", "PYTHONPATH", sys.executable]
+    runs = [[SCRIPT, "--strategy", strategy, "--out", str(root / strategy)] for strategy in strategies]
+    run_in_sequence(runs, BUDGET, launcher)
+    return {s: [torch.load(root / s / f"rank{rank}.pt") for rank in (0, 1)] for s in strategies}
 
 
 @pytest.fixture(scope="module")
-def lightning_ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, torch.Tensor]]:
-    return contract(tmp_path_factory.mktemp("ref"), "ddp")
+def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Lightning's "ddp" (the reference) and the pack strategies Lightning launches, in one launch."""
+    names = ["ddp", *(s for s, how in LAUNCH.items() if how == "lightning")]
+    return launch(tmp_path_factory.mktemp("lightning"), names, "lightning")
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, torch.Tensor]]]:
+    names = [s for s, how in LAUNCH.items() if how == "torchrun"]
+    return launch(tmp_path_factory.mktemp("torchrun"), names, "torchrun")
+
+
+@pytest.fixture(scope="module")
+def mpirun_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, torch.Tensor]]]:
+    names = [s for s, how in LAUNCH.items() if how == "mpirun"]
+    return launch(tmp_path_factory.mktemp("mpirun"), names, "mpirun")
+
+
+@pytest.fixture(scope="module")
+def lightning_ddp(lightning_runs: dict[str, list[dict[str, torch.Tensor]]]) -> list[dict[str, torch.Tensor]]:
+    return lightning_runs["ddp"]
 
 
 def test_reference_sees_what_the_contract_expects(lightning_ddp: list[dict[str, torch.Tensor]]) -> None:
@@ -71,9 +93,9 @@ def test_reference_sees_what_the_contract_expects(lightning_ddp: list[dict[str, 
 
 @pytest.mark.parametrize("strategy", sorted(LAUNCH))
 def test_collectives_equal_lightning_ddp(
-    tmp_path: Path, strategy: str, lightning_ddp: list[dict[str, torch.Tensor]]
+    request: pytest.FixtureRequest, strategy: str, lightning_ddp: list[dict[str, torch.Tensor]]
 ) -> None:
-    ours = contract(tmp_path / strategy, strategy, LAUNCH[strategy])
+    ours = request.getfixturevalue(f"{LAUNCH[strategy]}_runs")[strategy]
     for rank, (got, ref) in enumerate(zip(ours, lightning_ddp, strict=True)):
         own = {k for k in got if k.startswith("pack_")}
         if LAUNCH[strategy] != "mpirun":  # a torch.distributed world: groups can be named

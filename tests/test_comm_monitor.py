@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import SCRIPTS, run_script
+from helpers import SCRIPTS, run_in_sequence
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -276,40 +276,62 @@ def test_log_false_logs_nothing_in_a_real_fit() -> None:
 
 SCRIPT = str(SCRIPTS / "monitor_run.py")
 BUDGET = 120
-"""Seconds for one 2-process run (about 8 s on 2 idle cores), below the 300 s test timeout."""
+"""Seconds for one 2-process launch of the runs below (about 8 s for one run on 2 idle cores), at
+most half the 300 s test timeout."""
 STEPS = 6
 RATIO_TOL = 0.01
 """Compression ratios: DDP() 1 and fp16 0.5 up to the few bytes of the per-step train_loss sync
 (4 bytes per batch on 121,728 reference bytes: 3.3e-5)."""
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("strategy", "accumulate", "ratio"), [("DDP", 1, 1.0), ("fp16", 1, 0.5), ("DDP", 2, 1.0)]
-)
-def test_two_ranks_logged_metrics(tmp_path: Path, strategy: str, accumulate: int, ratio: float) -> None:
-    run_script(
-        [SCRIPT, "--strategy", strategy, "--accumulate", str(accumulate), "--out", str(tmp_path)],
-        timeout=BUDGET,
-    )
-    check_logged_metrics(tmp_path, accumulate, ratio)
+LIGHTNING_RUNS = {"DDP-1": ("DDP", 1), "fp16-1": ("fp16", 1), "DDP-2": ("DDP", 2)}
+"""Run name -> (strategy, accumulate), launched by Lightning."""
+HOROVOD_RUNS = ("horovod", "horovod_fp16")
+"""Strategies run under mpirun."""
 
 
-@pytest.mark.slow
-@pytest.mark.horovod
-@pytest.mark.parametrize(("strategy", "ratio"), [("horovod", 1.0), ("horovod_fp16", 0.5)])
-def test_two_horovod_ranks_logged_metrics(tmp_path: Path, strategy: str, ratio: float) -> None:
-    """The same counters under Horovod (mpirun, one process per rank); its all-reduces, one per
-    tensor, overlap each other; the busy time counts them once, so the share stays below 1."""
+def launch(root: Path, runs: dict[str, tuple[str, int]], launcher: list[str]) -> Path:
+    """``runs`` (name -> strategy, accumulate) one after another in one launch; each writes to ``root / name``."""
+    run_in_sequence(
+        [["monitor_run.py", "--strategy", strategy, "--accumulate", str(accumulate), "--out", str(root / name)]
+         for name, (strategy, accumulate) in runs.items()],
+        BUDGET,
+        launcher,
+    )  # fmt: skip
+    return root
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("lightning"), LIGHTNING_RUNS, [sys.executable])
+
+
+@pytest.fixture(scope="module")
+def horovod_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not found (apt-get install openmpi-bin)")
     mpi = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
     env = ["-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
-    run_script(
-        [*mpi, *env, sys.executable, SCRIPT, "--strategy", strategy, "--out", str(tmp_path)], timeout=BUDGET
-    )
-    check_logged_metrics(tmp_path, 1, ratio)
+    runs = {strategy: (strategy, 1) for strategy in HOROVOD_RUNS}
+    return launch(tmp_path_factory.mktemp("horovod"), runs, [*mpi, *env, sys.executable])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "accumulate", "ratio"), [("DDP", 1, 1.0), ("fp16", 1, 0.5), ("DDP", 2, 1.0)]
+)
+def test_two_ranks_logged_metrics(lightning_runs: Path, strategy: str, accumulate: int, ratio: float) -> None:
+    check_logged_metrics(lightning_runs / f"{strategy}-{accumulate}", accumulate, ratio)
+
+
+@pytest.mark.slow
+@pytest.mark.horovod
+@pytest.mark.parametrize(("strategy", "ratio"), [("horovod", 1.0), ("horovod_fp16", 0.5)])
+def test_two_horovod_ranks_logged_metrics(horovod_runs: Path, strategy: str, ratio: float) -> None:
+    """The same counters under Horovod (mpirun, one process per rank); its all-reduces, one per
+    tensor, overlap each other; the busy time counts them once, so the share stays below 1."""
+    check_logged_metrics(horovod_runs / strategy, 1, ratio)
 
 
 def check_logged_metrics(tmp_path: Path, accumulate: int, ratio: float) -> None:

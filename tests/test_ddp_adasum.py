@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_script
+from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_in_sequence, run_script
 from references import adasum_pair, local_gradients
 
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
@@ -17,10 +17,26 @@ LR = 0.5
 ATOL = 1e-6
 
 
-def test_one_sgd_step_is_p0_minus_lr_adasum_of_the_gradients(tmp_path: Path) -> None:
-    out = tmp_path / "step"
-    run_script([str(SCRIPTS / "one_step.py"), "--strategy", "ld_ddp_adasum", "--optimizer", "sgd",
-                "--lr", str(LR), "--out", str(out)], timeout=120)  # fmt: skip
+TRAIN = ["--strategy", "ld_ddp_adasum", "--max-steps", "12"]
+"""ddp_run.py's flags for the training runs."""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-step run ("step") and the 2-rank training ("adasum2"), one after another in one
+    2-process launch (budget: at most half the 300 s test timeout)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    run_in_sequence(
+        [["one_step.py", "--strategy", "ld_ddp_adasum", "--optimizer", "sgd", "--lr", str(LR),
+          "--out", str(root / "step")],
+         ["ddp_run.py", *TRAIN, "--devices", "2", "--out", str(root / "adasum2")]],
+        timeout=150,
+    )  # fmt: skip
+    return root
+
+
+def test_one_sgd_step_is_p0_minus_lr_adasum_of_the_gradients(two_ranks: Path) -> None:
+    out = two_ranks / "step"
     ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
     start = ranks[0]["start"]
     g0, g1 = (local_gradients(start, r["batch"]) for r in ranks)
@@ -36,22 +52,15 @@ def test_one_sgd_step_is_p0_minus_lr_adasum_of_the_gradients(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_adasum_trains_and_ranks_stay_identical(tmp_path: Path, world_size: int) -> None:
-    out = tmp_path / "adasum"
-    run_script(
-        [
-            str(SCRIPTS / "ddp_run.py"),
-            "--strategy",
-            "ld_ddp_adasum",
-            "--devices",
-            str(world_size),
-            "--max-steps",
-            "12",
-            "--out",
-            str(out),
-        ],
-        timeout=150,
-    )
+def test_ddp_adasum_trains_and_ranks_stay_identical(
+    request: pytest.FixtureRequest, tmp_path: Path, world_size: int
+) -> None:
+    if world_size == 2:
+        out = request.getfixturevalue("two_ranks") / "adasum2"
+    else:
+        out = tmp_path / "adasum"
+        run_script([str(SCRIPTS / "ddp_run.py"), *TRAIN, "--devices", str(world_size), "--out", str(out)],
+                   timeout=150)  # fmt: skip
     w0, info0 = load_rank(out, 0)
     assert info0["world_size"] == world_size
     assert info0["hook_calls"] > 0

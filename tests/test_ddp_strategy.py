@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, assert_same_weights, load_rank, run_script
+from helpers import SCRIPTS, assert_same_weights, load_rank, run_in_sequence, run_script
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -16,20 +16,35 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 pytestmark = pytest.mark.slow
 SCRIPT = str(SCRIPTS / "ddp_run.py")
 BUDGET = 120
-"""Seconds for one 2-process run (about 6 s on 2 shared cores): a test's two runs stay below its
-300 s timeout, so a stuck run is stopped by its budget, with its output."""
+"""Seconds for one 2-process launch (about 6 s for one run on 2 shared cores, 25 s for the module's
+runs in one launch): at most half the 300 s test timeout, so a stuck launch is stopped by its
+budget, with its output."""
+POPEN_RUNS = {
+    "ref1": ["--strategy", "ddp", "--accumulate", "1"],
+    "ours1": ["--strategy", "ld_ddp", "--accumulate", "1"],
+    "ref2": ["--strategy", "ddp", "--accumulate", "2"],
+    "ours2": ["--strategy", "ld_ddp", "--accumulate", "2"],
+    "k1": ["--strategy", "ld_ddp", "--accumulate", "1", "--max-steps", "4"],
+    "k2": ["--strategy", "ld_ddp", "--accumulate", "2", "--max-steps", "4"],
+    "DDP_popen": ["--strategy", "DDP", "--start-method", "popen", "--max-steps", "3"],
+    "ld_ddp_popen": ["--strategy", "ld_ddp", "--max-steps", "3"],
+}
+"""The runs launched by Lightning's own launcher (popen), all in one launch: name -> ddp_run.py's flags."""
 
 
-def fit(tmp_path: Path, name: str, *args: str) -> Path:
-    out = tmp_path / name
-    run_script([SCRIPT, "--out", str(out), *args], timeout=BUDGET)
-    return out
+@pytest.fixture(scope="module")
+def popen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every run of ``POPEN_RUNS`` and the metrics probe, one after another in one 2-process launch."""
+    root = tmp_path_factory.mktemp("popen")
+    runs = [[SCRIPT, *args, "--out", str(root / name)] for name, args in POPEN_RUNS.items()]
+    runs.append([str(SCRIPTS / "metric_run.py"), "--strategy", "ld_ddp", "--out", str(root / "metrics.json")])
+    run_in_sequence(runs, timeout=BUDGET)
+    return {name: root / name for name in [*POPEN_RUNS, "metrics.json"]}
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_final_weights_equal_lightning_ddp(tmp_path: Path, accumulate: int) -> None:
-    ref = fit(tmp_path, "ref", "--strategy", "ddp", "--accumulate", str(accumulate))
-    ours = fit(tmp_path, "ours", "--strategy", "ld_ddp", "--accumulate", str(accumulate))
+def test_final_weights_equal_lightning_ddp(popen: dict[str, Path], accumulate: int) -> None:
+    ref, ours = popen[f"ref{accumulate}"], popen[f"ours{accumulate}"]
     ref_w, ref_info = load_rank(ref, 0)
     for rank in (0, 1):
         w, info = load_rank(ours, rank)
@@ -43,9 +58,8 @@ def test_final_weights_equal_lightning_ddp(tmp_path: Path, accumulate: int) -> N
     assert any((initial[k] - ref_w[k]).abs().max() > 1e-4 for k in ref_w), "training changed the weights"
 
 
-def test_hook_runs_on_cpu_and_accumulation_syncs_once_per_k(tmp_path: Path) -> None:
-    once = fit(tmp_path, "k1", "--strategy", "ld_ddp", "--accumulate", "1", "--max-steps", "4")
-    twice = fit(tmp_path, "k2", "--strategy", "ld_ddp", "--accumulate", "2", "--max-steps", "4")
+def test_hook_runs_on_cpu_and_accumulation_syncs_once_per_k(popen: dict[str, Path]) -> None:
+    once, twice = popen["k1"], popen["k2"]
     _, info1 = load_rank(once, 0)
     _, info2 = load_rank(twice, 0)
     assert info1["global_step"] == info2["global_step"] == 4
@@ -59,26 +73,34 @@ def test_hook_runs_on_cpu_and_accumulation_syncs_once_per_k(tmp_path: Path) -> N
     assert info2["all_reduce_bytes_sent"] - info1["all_reduce_bytes_sent"] == 4 * 4
 
 
+@pytest.fixture(scope="module")
+def spawned_and_forked(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """DDP() launched with start_method "spawn", then "fork", from one parent process."""
+    root = tmp_path_factory.mktemp("launched")
+    run_in_sequence(
+        [[SCRIPT, "--strategy", "DDP", "--start-method", method, "--max-steps", "3", "--out", str(root / method)]
+         for method in ("spawn", "fork")],
+        timeout=BUDGET,
+    )  # fmt: skip
+    return root
+
+
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
-def test_spawn_and_fork_launch_match_popen(tmp_path: Path, start_method: str) -> None:
-    popen = fit(tmp_path, "popen", "--strategy", "DDP", "--start-method", "popen", "--max-steps", "3")
-    other = fit(
-        tmp_path, start_method, "--strategy", "DDP", "--start-method", start_method, "--max-steps", "3"
-    )
-    w_popen, _ = load_rank(popen, 0)
-    w_other, info = load_rank(other, 0)
+def test_spawn_and_fork_launch_match_popen(
+    popen: dict[str, Path], spawned_and_forked: Path, start_method: str
+) -> None:
+    w_popen, _ = load_rank(popen["DDP_popen"], 0)
+    w_other, info = load_rank(spawned_and_forked / start_method, 0)
     assert info["world_size"] == 2
     assert_same_weights(w_other, w_popen, atol=0)
 
 
-def test_torchmetrics_and_sync_dist_logging_are_global(tmp_path: Path) -> None:
+def test_torchmetrics_and_sync_dist_logging_are_global(popen: dict[str, Path]) -> None:
     import json
 
     import torchmetrics
 
-    out = tmp_path / "metrics.json"
-    run_script([str(SCRIPTS / "metric_run.py"), "--strategy", "ld_ddp", "--out", str(out)], timeout=BUDGET)
-    got = json.loads(out.read_text())
+    got = json.loads(popen["metrics.json"].read_text())
     from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
 
     logits, target = dataset().tensors
@@ -92,8 +114,7 @@ def test_torchmetrics_and_sync_dist_logging_are_global(tmp_path: Path) -> None:
     assert got["rank_sum"] == pytest.approx(3.0 * (N // 2) / 5)
 
 
-def test_torchrun_launch_matches_popen(tmp_path: Path) -> None:
-    popen = fit(tmp_path, "popen", "--strategy", "ld_ddp", "--max-steps", "3")
+def test_torchrun_launch_matches_popen(tmp_path: Path, popen: dict[str, Path]) -> None:
     out = tmp_path / "torchrun"
     run_script(
         # --standalone: the agent's rendezvous store listens on a port the OS picks (port 0) and the
@@ -105,4 +126,4 @@ def test_torchrun_launch_matches_popen(tmp_path: Path) -> None:
     for rank in (0, 1):
         w, info = load_rank(out, rank)
         assert info["world_size"] == 2 and info["hook_calls"] > 0
-        assert_same_weights(w, load_rank(popen, 0)[0], atol=0)
+        assert_same_weights(w, load_rank(popen["ld_ddp_popen"], 0)[0], atol=0)

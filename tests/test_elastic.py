@@ -18,12 +18,29 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_same_weights, kill_tree, max_abs_diff, run_command, spawned
+from helpers import (
+    SCRIPTS,
+    assert_same_weights,
+    kill_tree,
+    max_abs_diff,
+    run_command,
+    run_in_sequence,
+    spawned,
+)
 
 from lightning_dist.elastic import commits
 
-pytestmark = pytest.mark.slow
 COMMIT_EVERY, STEPS, GLOBAL_BATCH = 3, 12, 8  # tiny workload: batch 4 per rank, 2 ranks
+SCALE_STEPS = 24  # the 2 -> 1 -> 2 runs
+REFERENCE_BUDGET = 200
+"""Seconds for the module's fault-free runs, one torchrun launch (about 50 s on 2 shared cores);
+each test's timeout is twice that."""
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * REFERENCE_BUDGET)]
+
+
+def torchrun_cmd(nproc: int = 2, max_restarts: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}"]  # fmt: skip
 
 
 def torchrun_proc(
@@ -35,10 +52,17 @@ def torchrun_proc(
     nproc: int = 2,
     **env: str,
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", str(SCRIPTS / "elastic_run.py"), "--out", str(out),
-           "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]  # fmt: skip
+    cmd = [
+        *torchrun_cmd(nproc, max_restarts),
+        str(SCRIPTS / "elastic_run.py"),
+        *elastic_args(out, *args, steps=steps),
+    ]
     return run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
+
+
+def elastic_args(out: Path, *args: str, steps: int = STEPS) -> list[str]:
+    """elastic_run.py's arguments for a run writing to ``out``."""
+    return ["--out", str(out), "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]
 
 
 def torchrun(out: Path, *args: str, **kwargs: Any) -> int:
@@ -76,10 +100,37 @@ REDUCTIONS = {
 }
 
 
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The fault-free runs the tests compare with, one after another in one torchrun launch:
+    each reduction for ``STEPS`` and for ``SCALE_STEPS`` steps ("<reduction>" and
+    "<reduction>_scale"), and the first parts of runs that tests continue: average for 7 steps
+    ("stopped_after_7", commits 3 and 6) and for 6 steps ("stopped_after_6")."""
+    root = tmp_path_factory.mktemp("fault_free")
+    runs = {name: elastic_args(root / name, *args) for name, args in REDUCTIONS.items()}
+    runs |= {f"{name}_scale": elastic_args(root / f"{name}_scale", *args, steps=SCALE_STEPS)
+             for name, args in REDUCTIONS.items()}  # fmt: skip
+    runs |= {f"stopped_after_{n}": elastic_args(root / f"stopped_after_{n}", steps=n) for n in (7, 6)}
+    run_in_sequence(
+        [["elastic_run.py", *args] for args in runs.values()],
+        REFERENCE_BUDGET,
+        launcher=torchrun_cmd(max_restarts=0),
+        PYTHONPATH=str(SCRIPTS),
+    )
+    return {name: root / name for name in runs}
+
+
+def continued(fault_free: dict[str, Path], name: str, out: Path) -> Path:
+    """A copy at ``out`` of the fault-free run ``name`` (its commits and logs), for a test to continue."""
+    shutil.copytree(fault_free[name], out)
+    return out
+
+
 @pytest.mark.parametrize("reduction", list(REDUCTIONS))
-def test_sigkill_mid_epoch_resumes_from_the_last_commit(tmp_path: Path, reduction: str) -> None:
-    fault_free, out = tmp_path / "fault_free", tmp_path / "killed"
-    assert torchrun(fault_free, *REDUCTIONS[reduction]) == 0
+def test_sigkill_mid_epoch_resumes_from_the_last_commit(
+    tmp_path: Path, fault_free: dict[str, Path], reduction: str
+) -> None:
+    out = tmp_path / "killed"
     assert torchrun(out, *REDUCTIONS[reduction], "--kill-rank", "1", "--kill-step", "7") == 0
     facts = json.loads((out / "rank0.json").read_text())
     assert facts["attempt"] == 1 and facts["global_step"] == STEPS
@@ -89,17 +140,10 @@ def test_sigkill_mid_epoch_resumes_from_the_last_commit(tmp_path: Path, reductio
     assert sorted(killed) == list(range(STEPS))
     used = [s for step in killed.values() for s in step]
     assert len(used) == STEPS * GLOBAL_BATCH and len(set(used)) == len(used), "a sample used twice"
-    assert killed == final_trajectory(fault_free), "the same samples at every step as the fault-free run"
+    reference = fault_free[reduction]
+    assert killed == final_trajectory(reference), "the same samples at every step as the fault-free run"
     assert any(e["rank"] == 1 and e["attempt"] == 0 for e in sample_log(out)), "the killed attempt logged"
-    assert_same_weights(torch.load(out / "rank0.pt"), torch.load(fault_free / "rank0.pt"), atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def fault_free_average(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fault-free 12-step run with average reduction, shared by the fault tests below."""
-    out = tmp_path_factory.mktemp("elastic") / "fault_free"
-    assert torchrun(out) == 0
-    return out
+    assert_same_weights(torch.load(out / "rank0.pt"), torch.load(reference / "rank0.pt"), atol=1e-6)
 
 
 def assert_recovered(out: Path, fault_free: Path, resumed_from: int) -> None:
@@ -117,7 +161,7 @@ def assert_recovered(out: Path, fault_free: Path, resumed_from: int) -> None:
 
 
 def test_exception_on_one_rank_restarts_from_the_last_commit(
-    tmp_path: Path, fault_free_average: Path
+    tmp_path: Path, fault_free: dict[str, Path]
 ) -> None:
     out = tmp_path / "raised"
     assert torchrun(out, "--fault", "raise", "--kill-rank", "1", "--kill-step", "7") == 0
@@ -125,16 +169,16 @@ def test_exception_on_one_rank_restarts_from_the_last_commit(
         "injected fault on rank 1 after step 7" in "".join(p.read_text() for p in out.glob("*.log")) or True
     )
     assert any(e["rank"] == 1 and e["attempt"] == 0 for e in sample_log(out))
-    assert_recovered(out, fault_free_average, resumed_from=6)
+    assert_recovered(out, fault_free["average"], resumed_from=6)
 
 
 def test_crash_while_writing_a_commit_resumes_from_the_previous_one(
-    tmp_path: Path, fault_free_average: Path
+    tmp_path: Path, fault_free: dict[str, Path]
 ) -> None:
     out = tmp_path / "crashed"
     assert torchrun(out, "--fault", "commit", "--kill-step", "6") == 0
     assert "cut to" in (out / "crashed_in_commit").read_text(), "rank 0 died inside the commit write"
-    assert_recovered(out, fault_free_average, resumed_from=3)
+    assert_recovered(out, fault_free["average"], resumed_from=3)
 
 
 def _evil_payload(marker: Path) -> bytes:
@@ -151,12 +195,11 @@ def _evil_payload(marker: Path) -> bytes:
 
 @pytest.mark.parametrize("damage", ["truncated", "pickle"])
 def test_damaged_newest_commit_falls_back_to_the_previous_one(
-    tmp_path: Path, fault_free_average: Path, damage: str
+    tmp_path: Path, fault_free: dict[str, Path], damage: str
 ) -> None:
     """A first run stops after step 7 (commits 3 and 6); the newest commit is then damaged; the next
     run skips it with a warning, resumes from commit 3 and ends on the fault-free weights."""
-    out = tmp_path / damage
-    assert torchrun(out, steps=7) == 0
+    out = continued(fault_free, "stopped_after_7", tmp_path / damage)
     newest = out / "commits" / "commit-00000006.pt"
     marker = tmp_path / "pickle_ran"
     if damage == "truncated":
@@ -172,7 +215,7 @@ def test_damaged_newest_commit_falls_back_to_the_previous_one(
     reason = "truncated: payload has" if damage == "truncated" else "refused by torch.load(weights_only=True)"
     assert f"skipping commit {newest}: {reason}" in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists(), "the pickle payload ran"
-    assert_recovered(out, fault_free_average, resumed_from=3)
+    assert_recovered(out, fault_free["average"], resumed_from=3)
 
 
 def test_restarts_exhausted_exit_non_zero_in_bounded_time(tmp_path: Path) -> None:
@@ -186,14 +229,17 @@ def test_restarts_exhausted_exit_non_zero_in_bounded_time(tmp_path: Path) -> Non
 
 
 def test_run_elastic_restarts_workers_without_torchrun(tmp_path: Path) -> None:
-    results = {}
-    for name, kill in (("fault_free", "-1"), ("killed", "5")):
-        out = tmp_path / name
-        out.mkdir()
-        proc = run_command([sys.executable, str(SCRIPTS / "elastic_inline.py"), "--out", str(out),
-                            "--kill-step", kill], 120)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-6000:]
-        results[name] = json.loads((out / "results.json").read_text())
+    runs = {"fault_free": "-1", "killed": "5"}  # one after another from one parent process
+    for name in runs:
+        (tmp_path / name).mkdir()
+    run_in_sequence(
+        [
+            ["elastic_inline.py", "--out", str(tmp_path / name), "--kill-step", kill]
+            for name, kill in runs.items()
+        ],
+        120,
+    )
+    results = {name: json.loads((tmp_path / name / "results.json").read_text()) for name in runs}
     killed, clean = results["killed"], results["fault_free"]
     for rank in ("0", "1"):
         assert clean[rank]["attempt"] == 0 and clean[rank]["resumed_from"] is None
@@ -203,10 +249,8 @@ def test_run_elastic_restarts_workers_without_torchrun(tmp_path: Path) -> None:
         assert killed[rank]["weights"] == clean[rank]["weights"]
 
 
-SCALE_STEPS = 24
 SCALE_BUDGET = 200
-"""Seconds for the two agents of a 2->1->2 run to finish; with the fault-free torchrun (120 s) and
-agent B's last wait (30 s) the test's budgets stay below its timeout, 2 * SCALE_BUDGET."""
+"""Seconds for the two agents of a 2->1->2 run to finish, at most half the test's timeout."""
 SCALE_BOUND = {"powersgd": 0.02, "adasum": 0.75}
 """How far the 2 -> 1 -> 2 run may end from the fault-free run at world size 2, as a fraction of how
 far that run ends from the uncompressed average run (max abs weight difference). Average keeps the
@@ -228,8 +272,7 @@ def elastic_agent(out: Path, port: int, hosts_store: bool, *args: str) -> list[s
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
             "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=scale", f"--rdzv-conf={conf}", "--monitor-interval=0.2",
-            str(SCRIPTS / "elastic_run.py"), "--out", str(out), "--commit-every", str(COMMIT_EVERY),
-            "--max-steps", str(SCALE_STEPS), "--step-sleep", "0.3", *args]  # fmt: skip
+            str(SCRIPTS / "elastic_run.py"), *elastic_args(out, "--step-sleep", "0.3", *args, steps=SCALE_STEPS)]  # fmt: skip
 
 
 def wait_for_step(out: Path, world: int, step: int, deadline: float) -> None:
@@ -241,11 +284,12 @@ def wait_for_step(out: Path, world: int, step: int, deadline: float) -> None:
 
 @pytest.mark.timeout(2 * SCALE_BUDGET)
 @pytest.mark.parametrize("reduction", list(REDUCTIONS))
-def test_world_size_2_to_1_to_2_keeps_the_trajectory(tmp_path: Path, reduction: str) -> None:
+def test_world_size_2_to_1_to_2_keeps_the_trajectory(
+    tmp_path: Path, fault_free: dict[str, Path], reduction: str
+) -> None:
     """Two torchrun agents on one c10d rendezvous; one is killed (the run goes on at world size 1
     from the last commit), then started again (world size 2 from the next commit)."""
-    fault_free, out = tmp_path / "fault_free", tmp_path / "scaled"
-    assert torchrun(fault_free, *REDUCTIONS[reduction], steps=SCALE_STEPS) == 0
+    reference_run, out = fault_free[f"{reduction}_scale"], tmp_path / "scaled"
     out.mkdir()
     port, args = free_port(), REDUCTIONS[reduction]
     # torch's shared rendezvous store loses the master address when a node leaves and joins again
@@ -266,31 +310,29 @@ def test_world_size_2_to_1_to_2_keeps_the_trajectory(tmp_path: Path, reduction: 
     assert sorted(trajectory) == list(range(SCALE_STEPS))
     used = [s for step in trajectory.values() for s in step]
     assert len(used) == SCALE_STEPS * GLOBAL_BATCH and len(set(used)) == len(used), "a sample used twice"
-    assert trajectory == final_trajectory(fault_free), "step s read the same samples on every world size"
+    assert trajectory == final_trajectory(reference_run), "step s read the same samples on every world size"
     last = {e["step"]: e for e in sorted(log, key=lambda e: e["incarnation"])}
     worlds = [last[step]["world"] for step in range(SCALE_STEPS)]
     assert 1 in worlds and worlds[0] == worlds[-1] == 2, worlds
-    weights, reference = torch.load(out / "rank0.pt"), torch.load(fault_free / "rank0.pt")
+    weights, reference = torch.load(out / "rank0.pt"), torch.load(reference_run / "rank0.pt")
     if reduction == "average":
         assert_same_weights(weights, reference, atol=1e-6)
         return
-    assert torchrun(tmp_path / "average", steps=SCALE_STEPS) == 0
-    scale = max_abs_diff(reference, torch.load(tmp_path / "average" / "rank0.pt"))
+    scale = max_abs_diff(reference, torch.load(fault_free["average_scale"] / "rank0.pt"))
     diff = max_abs_diff(weights, reference)
     print(f"{reduction}: worlds by step {worlds}; weights {diff:.3g} from fault-free ({diff / scale:.3g} x)")
     assert diff <= SCALE_BOUND[reduction] * scale
 
 
-def test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate(tmp_path: Path) -> None:
+def test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate(
+    tmp_path: Path, fault_free: dict[str, Path]
+) -> None:
     """Global batch 8 committed at world size 2, resumed on 3 ranks: each rank keeps 4 samples a
     step (12 per step, a warning says so), the learning rate is scaled by 12/8, every sample is still
     read at most once, and ``scale_lr=False`` leaves the rate to the user."""
-    first = tmp_path / "world2"
-    assert torchrun(first, steps=6) == 0
     lrs = {}
     for name, flags in (("scaled", []), ("unscaled", ["--no-scale-lr"])):
-        out = tmp_path / name
-        shutil.copytree(first, out)
+        out = continued(fault_free, "stopped_after_6", tmp_path / name)
         proc = torchrun_proc(out, *flags, steps=9, nproc=3)
         assert proc.returncode == 0, proc.stderr[-6000:]
         assert "global_batch=8 is not divisible by world_size=3" in proc.stderr

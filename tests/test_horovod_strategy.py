@@ -10,22 +10,60 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command, run_script
-from references import adasum_pair, local_gradients, optimizer_update
+from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command, run_in_sequence
+from references import adasum_pair, local_gradients, optimizer_update, update_space_adasum
 
-pytestmark = [pytest.mark.slow, pytest.mark.horovod]
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+
+pytestmark = [pytest.mark.slow, pytest.mark.horovod]  # and the timeout below
 
 hvd = pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
 if shutil.which("mpirun") is None:
     pytest.skip("mpirun not found (apt-get install openmpi-bin)", allow_module_level=True)
 
 ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
+BUDGET = 200
+"""Seconds for one launch of the runs below (one Horovod run takes about 15 s on 2 shared cores, the
+mpirun fixture's ten about 60 s): each test is marked `@pytest.mark.timeout(2 * BUDGET)`."""
+LR = 3e-3
+"""hvd_train.py's AdamW learning rate (weight decay 0.01)."""
+MPIRUN_RUNS = {
+    "clip": ["--strategy", "horovod", "--lr-scale", "1", "--clip", "0.05", "--max-steps", "6"],
+    "noclip": ["--strategy", "horovod", "--lr-scale", "1", "--max-steps", "6"],
+    "auto_lr": ["--strategy", "horovod", "--max-steps", "12"],
+    **{
+        f"{kind}-{strategy}": ["--strategy", strategy, *flags, "--optimizer", "sgd", "--max-steps", "5"]
+        for strategy in ("horovod", "horovod_adasum")
+        for kind, flags in (("acc", ["--accumulate", "2"]), ("big", ["--batch-size", "8"]))
+    },
+}
+"""hvd_train.py runs under ``mpirun -np 2``, all in one launch: name -> flags."""
+DDP_REFERENCES = {
+    "clip": ["--strategy", "ddp", "--clip", "0.05", "--max-steps", "6"],
+    "lr_x2": ["--strategy", "ddp", "--lr", str(2 * LR), "--max-steps", "12"],
+}
+"""Lightning's "ddp" on 2 processes (ddp_run.py), all in one launch: name -> flags."""
+ATOL = 1e-5
+"""Horovod's average against Lightning's "ddp": the same gradients and steps, summed in another order."""
+
+pytestmark.append(pytest.mark.timeout(2 * BUDGET))
 
 
 def mpirun(
     np: int, script: str, *args: str, check: bool = True, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
+    cmd = [*mpirun_cmd(np), script, *args]
+    proc = run_command(cmd, timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def mpirun_cmd(np: int) -> list[str]:
+    """mpirun's command up to the script: ``np`` ranks, this interpreter."""
+    return [
         "mpirun",
         "-np",
         str(np),
@@ -35,60 +73,90 @@ def mpirun(
         "-x",
         "OMP_NUM_THREADS",
         sys.executable,
-        script,
-        *args,
     ]
-    proc = run_command(cmd, timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
 
 
-def hvd_fit(tmp_path: Path, name: str, *args: str, np: int = 2) -> Path:
-    out = tmp_path / name
-    mpirun(np, str(SCRIPTS / "hvd_train.py"), "--out", str(out), *args)
-    return out
+@pytest.fixture(scope="module")
+def mpirun_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every run of ``MPIRUN_RUNS`` and the metrics probe, one after another in one mpirun launch."""
+    root = tmp_path_factory.mktemp("mpirun")
+    runs = [["hvd_train.py", *flags, "--out", str(root / name)] for name, flags in MPIRUN_RUNS.items()]
+    runs.append(
+        ["metric_run.py", "--strategy", "horovod", "--devices", "1", "--out", str(root / "metrics.json")]
+    )
+    run_in_sequence(runs, BUDGET, launcher=mpirun_cmd(2))
+    return {name: root / name for name in [*MPIRUN_RUNS, "metrics.json"]}
 
 
-def assert_trained_and_in_sync(out: Path) -> None:
-    w0, info0 = load_rank(out, 0)
-    w1, info1 = load_rank(out, 1)
-    assert info0["world_size"] == 2
-    assert_same_weights(w0, w1, atol=0)
-    losses = [(a + b) / 2 for a, b in zip(info0["losses"], info1["losses"])]
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, f"loss did not fall: {losses}"
-
-
-def test_horovod_adasum_trains_under_horovodrun(tmp_path: Path) -> None:
-    out = tmp_path / "adasum"
-    cmd = ["horovodrun", "--mpi", "-np", "2", sys.executable, str(SCRIPTS / "hvd_train.py")]
-    proc = run_command(
-        [*cmd, "--strategy", "horovod_adasum", "--max-steps", "12", "--out", str(out)],
-        120,
+@pytest.fixture(scope="module")
+def horovodrun_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Under ``horovodrun --mpi -np 2``, in one launch: HorovodAdasum for 12 steps, keeping each
+    rank's batches ("adasum"), then one Adam step ("step", lr 0.01)."""
+    root = tmp_path_factory.mktemp("horovodrun")
+    runs = [
+        ["hvd_train.py", "--strategy", "horovod_adasum", "--max-steps", "12", "--record-batches",
+         "--out", str(root / "adasum")],
+        ["one_step.py", "--strategy", "horovod_adasum", "--devices", "1", "--optimizer", "adam",
+         "--lr", "0.01", "--out", str(root / "step")],
+    ]  # fmt: skip
+    run_in_sequence(
+        runs,
+        BUDGET,
+        launcher=["horovodrun", "--mpi", "-np", "2", sys.executable],
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
     )
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    assert_trained_and_in_sync(out)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ddp_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every run of ``DDP_REFERENCES``, one after another in one 2-process Lightning launch."""
+    root = tmp_path_factory.mktemp("ddp")
+    run_in_sequence(
+        [["ddp_run.py", *flags, "--out", str(root / name)] for name, flags in DDP_REFERENCES.items()], BUDGET
+    )
+    return {name: root / name for name in DDP_REFERENCES}
+
+
+def assert_in_sync(out: Path) -> dict[str, torch.Tensor]:
+    """Both ranks of the run in ``out`` at world size 2 end on the same weights; rank 0's."""
+    w0, info0 = load_rank(out, 0)
+    w1, _ = load_rank(out, 1)
+    assert info0["world_size"] == 2
+    assert_same_weights(w0, w1, atol=0)
+    return w0
+
+
+def assert_trained_and_in_sync(out: Path) -> dict[str, torch.Tensor]:
+    """``assert_in_sync``, and the ranks' mean loss fell; rank 0's weights."""
+    w0 = assert_in_sync(out)
+    info0, info1 = (load_rank(out, r)[1] for r in (0, 1))
+    losses = [(a + b) / 2 for a, b in zip(info0["losses"], info1["losses"])]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.2, f"loss did not fall: {losses}"
+    return w0
+
+
+def test_horovod_adasum_trains_under_horovodrun(horovodrun_runs: Path) -> None:
+    """12 AdamW steps: the weights equal HorovodAdasum written out on one process
+    (references.update_space_adasum: each rank's own AdamW step, the updates combined by Adasum)."""
+    out = horovodrun_runs / "adasum"
+    final = assert_trained_and_in_sync(out)
     _, info = load_rank(out, 0)
     assert info["lr_scale"] == 1.0, "Adasum on CPU does not scale the learning rate"
     assert info["stats"]["adasum.calls"] == 12, "one Adasum of the updates per optimizer step"
+    start = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
+    batches = [torch.load(out / f"rank{r}.batches.pt") for r in (0, 1)]
+    assert len(batches[0]) == 12 and not torch.equal(batches[0][0][0], batches[1][0][0])
+    expected = update_space_adasum(start, batches, LR, weight_decay=0.01)
+    final = {n: final[n] for n in expected}
+    assert max_abs_diff(final, start) > 1e-2, "12 steps must move the weights"
+    assert max_abs_diff(final, expected) < 1e-6, f"off the reference by {max_abs_diff(final, expected)}"
 
 
-def test_horovod_adasum_one_adam_step_combines_the_updates(tmp_path: Path) -> None:
+def test_horovod_adasum_one_adam_step_combines_the_updates(horovodrun_runs: Path) -> None:
     """p1 = p0 + Adasum(delta_0, delta_1), delta_r being Adam's update from rank r's own gradient."""
-    out, lr = tmp_path / "step", 0.01
-    cmd = ["horovodrun", "--mpi", "-np", "2", sys.executable, str(SCRIPTS / "one_step.py")]
-    proc = run_command(
-        [*cmd, "--strategy", "horovod_adasum", "--devices", "1", "--optimizer", "adam", "--lr", str(lr),
-         "--out", str(out)],
-        200,
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    out, lr = horovodrun_runs / "step", 0.01
     ranks = [torch.load(out / f"rank{r}.pt") for r in (0, 1)]
     start = ranks[0]["start"]
     g0, g1 = (local_gradients(start, r["batch"]) for r in ranks)
@@ -106,48 +174,32 @@ def test_horovod_adasum_one_adam_step_combines_the_updates(tmp_path: Path) -> No
         )
 
 
-def test_horovod_average_trains_and_matches_lightning_ddp_with_clipping(tmp_path: Path) -> None:
-    ours = hvd_fit(
-        tmp_path, "hvd", "--strategy", "horovod", "--lr-scale", "1", "--clip", "0.05", "--max-steps", "6"
-    )
-    ref = tmp_path / "ddp"
-    run_script(
-        [
-            str(SCRIPTS / "ddp_run.py"),
-            "--strategy",
-            "ddp",
-            "--clip",
-            "0.05",
-            "--max-steps",
-            "6",
-            "--out",
-            str(ref),
-        ],
-        timeout=90,
-    )
-    w_ref, _ = load_rank(ref, 0)
-    w0, info0 = load_rank(ours, 0)
-    w1, _ = load_rank(ours, 1)
-    assert_same_weights(w0, w1, atol=0)
-    assert max_abs_diff(w0, w_ref) < 1e-5
-    unclipped = hvd_fit(tmp_path, "noclip", "--strategy", "horovod", "--lr-scale", "1", "--max-steps", "6")
+def test_horovod_average_trains_and_matches_lightning_ddp_with_clipping(
+    mpirun_runs: dict[str, Path], ddp_references: dict[str, Path]
+) -> None:
+    w_ref, _ = load_rank(ddp_references["clip"], 0)
+    w0 = assert_in_sync(mpirun_runs["clip"])
+    assert max_abs_diff(w0, w_ref) < ATOL
+    unclipped = mpirun_runs["noclip"]
     assert max_abs_diff(load_rank(unclipped, 0)[0], w0) > 1e-4, "clipping at 0.05 must change the result"
 
 
-def test_horovod_average_loss_falls_with_auto_lr_scale(tmp_path: Path) -> None:
-    out = hvd_fit(tmp_path, "avg", "--strategy", "horovod", "--max-steps", "12")
-    assert_trained_and_in_sync(out)
+def test_horovod_average_with_auto_lr_scale_equals_lightning_ddp_at_twice_the_lr(
+    mpirun_runs: dict[str, Path], ddp_references: dict[str, Path]
+) -> None:
+    """Horovod's average with ``lr_scale="auto"`` (the world size, 2) is Lightning's "ddp" at 2 x lr."""
+    out = mpirun_runs["auto_lr"]
     assert load_rank(out, 0)[1]["lr_scale"] == 2.0, "Average scales the learning rate by the world size"
+    w0 = assert_trained_and_in_sync(out)
+    reference, _ = load_rank(ddp_references["lr_x2"], 0)
+    assert max_abs_diff(w0, reference) < ATOL, f"off Lightning's ddp by {max_abs_diff(w0, reference)}"
+    start = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
+    assert max_abs_diff(w0, start) > 1e-2, "12 steps must move the weights"
 
 
 @pytest.mark.parametrize("strategy", ["horovod", "horovod_adasum"])
-def test_accumulation_equals_doubled_batch(tmp_path: Path, strategy: str) -> None:
-    accumulated = hvd_fit(
-        tmp_path, "acc", "--strategy", strategy, "--accumulate", "2", "--optimizer", "sgd", "--max-steps", "5"
-    )
-    doubled = hvd_fit(
-        tmp_path, "big", "--strategy", strategy, "--batch-size", "8", "--optimizer", "sgd", "--max-steps", "5"
-    )
+def test_accumulation_equals_doubled_batch(mpirun_runs: dict[str, Path], strategy: str) -> None:
+    accumulated, doubled = mpirun_runs[f"acc-{strategy}"], mpirun_runs[f"big-{strategy}"]
     w_acc, info = load_rank(accumulated, 0)
     w_big, _ = load_rank(doubled, 0)
     assert info["global_step"] == 5
@@ -163,12 +215,10 @@ def test_accumulation_equals_doubled_batch(tmp_path: Path, strategy: str) -> Non
     )
 
 
-def test_torchmetrics_and_sync_dist_under_horovod(tmp_path: Path) -> None:
+def test_torchmetrics_and_sync_dist_under_horovod(mpirun_runs: dict[str, Path]) -> None:
     import torchmetrics
 
-    out = tmp_path / "metrics.json"
-    mpirun(2, str(SCRIPTS / "metric_run.py"), "--strategy", "horovod", "--devices", "1", "--out", str(out))
-    got = json.loads(out.read_text())
+    got = json.loads(mpirun_runs["metrics.json"].read_text())
     sys.path.insert(0, str(SCRIPTS))
     from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
 

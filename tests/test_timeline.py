@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import SCRIPTS, load_rank, run_command, run_script
+from helpers import SCRIPTS, load_rank, run_command, run_in_sequence
 
 from lightning_dist import collectives
 from lightning_dist.callbacks import Timeline
@@ -21,7 +21,8 @@ from lightning_dist.collectives import Communicator, trace
 from lightning_dist.testing import run_in_threads
 
 BUDGET = 120
-"""Seconds for one 2-process run (about 10 s on 2 shared cores), below the 300 s test timeout."""
+"""Seconds for one 2-process launch (about 10 s for one run on 2 shared cores), at most half the
+300 s test timeout."""
 EPS_US = 1e-3
 """Float slack when comparing microsecond timestamps computed from different offsets."""
 
@@ -169,11 +170,23 @@ def check_trace(path: Path, steps: int, reduces_per_step: int | None, ops: tuple
                 assert e["ts"] + e["dur"] <= optimizer["ts"] + EPS_US, "complete before the optimizer step"
 
 
+TWO_RANK_STRATEGIES = ("ddp", "powersgd")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-process fit with each of ``TWO_RANK_STRATEGIES``, one after another in one launch."""
+    root = tmp_path_factory.mktemp("timeline")
+    run_in_sequence(
+        [["timeline_run.py", "--strategy", s, "--out", str(root / s)] for s in TWO_RANK_STRATEGIES], BUDGET
+    )
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "powersgd"])
-def test_timeline_two_ranks(tmp_path: Path, strategy: str) -> None:
-    out = tmp_path / strategy
-    run_script([str(SCRIPTS / "timeline_run.py"), "--strategy", strategy, "--out", str(out)], timeout=BUDGET)
+@pytest.mark.parametrize("strategy", TWO_RANK_STRATEGIES)
+def test_timeline_two_ranks(two_ranks: Path, strategy: str) -> None:
+    out = two_ranks / strategy
     _, info = load_rank(out, 0)
     _, info1 = load_rank(out, 1)
     assert info["wrote_trace"] and not info1["wrote_trace"], "rank 0 writes the merged file"

@@ -123,11 +123,11 @@ class Contract(L.LightningModule):
                 got["pack_subgroup_refused"] = torch.tensor("is not supported" in str(exc))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", required=True, choices=sorted(STRATEGIES))
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     # one process per mpirun rank; torchrun's processes per node; else Lightning starts 2
     devices = 1 if "OMPI_COMM_WORLD_SIZE" in os.environ else int(os.environ.get("LOCAL_WORLD_SIZE", "2"))

@@ -20,12 +20,12 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--compression", default="none", help="a name, or 'instance:<name>' for a Compressor")
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     compression: Any = a.compression
     if compression.startswith("instance:"):

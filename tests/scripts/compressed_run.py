@@ -96,11 +96,11 @@ def fit(run: dict[str, Any], out: str) -> None:
     save_fitted(out, trainer, model, prefix=f"{run['name']}.", **info)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--runs", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
     for run in json.loads(a.runs):

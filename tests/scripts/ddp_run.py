@@ -18,7 +18,7 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ld_ddp")
     p.add_argument("--start-method", default=None)
@@ -27,14 +27,15 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     strategy: object = a.strategy
     if a.strategy == "DDP":
         strategy = lightning_dist.DDP(start_method=a.start_method or "auto")
     L.seed_everything(7, verbose=False)
-    model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size))
+    model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size, lr=a.lr))
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=a.devices,

@@ -22,7 +22,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from rank_io import save_fitted
+from rank_io import RecordBatches, save_fitted
 
 import lightning_dist
 from lightning_dist import collectives
@@ -50,16 +50,6 @@ class Model(TinyCausalLM):
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.config.lr)
         return torch.optim.AdamW(self.parameters(), lr=self.config.lr, weight_decay=0.01)
-
-
-class RecordBatches(L.Callback):
-    """Keeps every training batch this rank sees (the reference recomputes each rank's local steps)."""
-
-    def __init__(self) -> None:
-        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.batches.append((batch[0].detach().cpu().clone(), batch[1].detach().cpu().clone()))
 
 
 def fit(run: dict[str, Any], out: str, devices: int) -> None:
@@ -121,12 +111,12 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
     save_fitted(out, trainer, model, prefix=f"{run['name']}.", **info)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--runs", required=True)
     p.add_argument("--devices", type=int, default=2)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
     for run in json.loads(a.runs):

@@ -29,11 +29,11 @@ def worker(out: str, kill_step: int) -> dict[str, Any]:
             "weights": weights}  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--kill-step", type=int, default=-1)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     results = run_elastic(worker, 2, max_restarts=1, args=(a.out, a.kill_step))
     with open(os.path.join(a.out, "results.json"), "w") as fh:
         json.dump({str(rank): value for rank, value in results.items()}, fh)

@@ -162,7 +162,7 @@ def fit(
     return trainer, model, strategy
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--commit-every", type=int, default=3)
@@ -176,7 +176,7 @@ def main() -> None:
     p.add_argument("--no-scale-lr", dest="scale_lr", action="store_false")
     p.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device per worker, NCCL")
     p.add_argument("--diloco", type=int, default=0, help="H > 0: ElasticDiLoCo(inner_steps=H)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
     if trainer.global_rank == 0 or a.diloco:

@@ -48,14 +48,14 @@ class FixedOrder(TinyCausalLM):
         self.seen_batches.append(seen)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--max-steps", type=int, default=8)
     p.add_argument("--save", default=None)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(7)
     model = FixedOrder(WorkloadConfig.tiny(seed=7))

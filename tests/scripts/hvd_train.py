@@ -1,4 +1,5 @@
-"""Fit the tiny workload with a Horovod strategy; each rank saves its weights and counters.
+"""Fit the tiny workload with a Horovod strategy; each rank saves its weights and counters (and,
+with ``--record-batches``, the batches it trained on: ``rank<r>.batches.pt``).
 
 horovodrun --mpi -np 2 python tests/scripts/hvd_train.py --strategy horovod_adasum --out DIR
 mpirun -np 2 python tests/scripts/hvd_train.py --strategy horovod --accumulate 2 --out DIR
@@ -10,7 +11,7 @@ import argparse
 
 import lightning as L
 import torch
-from rank_io import save_fitted
+from rank_io import RecordBatches, save_fitted
 
 import lightning_dist
 from lightning_dist import collectives
@@ -19,7 +20,7 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="horovod")
     p.add_argument("--accumulate", type=int, default=1)
@@ -29,8 +30,9 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--record-batches", action="store_true")
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     lr_scale = a.lr_scale if a.lr_scale == "auto" else float(a.lr_scale)
     strategy = {
@@ -56,8 +58,8 @@ def main() -> None:
         val_check_interval=a.max_steps * a.accumulate,
         deterministic=True,
     )
-    tracker = CommMonitor(log=False)
-    trainer.callbacks.append(tracker)
+    tracker, recorder = CommMonitor(log=False), RecordBatches()
+    trainer.callbacks.extend([tracker, recorder] if a.record_batches else [tracker])
     trainer.fit(model)
     save_fitted(
         a.out,
@@ -68,6 +70,8 @@ def main() -> None:
         lr_scale=strategy.applied_lr_scale,
         stats=trainer.strategy.communicator.stats.snapshot(),
     )
+    if a.record_batches:
+        torch.save(recorder.batches, f"{a.out}/rank{trainer.global_rank}.batches.pt")
 
 
 if __name__ == "__main__":

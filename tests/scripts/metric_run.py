@@ -44,12 +44,12 @@ class Probe(L.LightningModule):
         return DataLoader(dataset(), batch_size=5)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ld_ddp")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     model = Probe()
     trainer = L.Trainer(
         accelerator="cpu",

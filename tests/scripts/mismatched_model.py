@@ -75,7 +75,7 @@ def make_strategy(name: str, out: str) -> tuple[Any, int]:
     return lightning_dist.HorovodAdasum(), 1
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument(
         "--strategy", choices=["ddp", "compressed", "elastic", "horovod", "horovod_adasum"], required=True
@@ -83,7 +83,7 @@ def main() -> int:
     p.add_argument("--mismatch", choices=["shape", "extra"], default="shape")
     p.add_argument("--wait", type=float, default=30.0)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
     L.seed_everything(7, verbose=False)

@@ -50,13 +50,13 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", choices=list(STRATEGIES), default="DDP")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     strategy = STRATEGIES[a.strategy]()
     L.seed_everything(7, verbose=False)

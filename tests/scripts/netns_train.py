@@ -25,14 +25,14 @@ STRATEGIES = {
 }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", choices=sorted(STRATEGIES), default="DDP")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7))

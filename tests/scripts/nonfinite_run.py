@@ -42,14 +42,14 @@ class PoisonedGradient(TinyCausalLM):
         self.param_sums.append(sum(float(p.detach().double().sum()) for p in self.parameters()))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", choices=["ddp", "powersgd", "elastic"], required=True)
     p.add_argument("--nan-rank", type=int, default=1)
     p.add_argument("--nan-step", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     strategy: Any
     if a.strategy == "ddp":

@@ -39,14 +39,14 @@ class OneStep(TinyCausalLM):
         return super().training_step(batch, batch_idx)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", required=True)
     p.add_argument("--optimizer", choices=["sgd", "adam"], required=True)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     model = OneStep(a.optimizer, a.lr)

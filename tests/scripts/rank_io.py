@@ -1,4 +1,5 @@
-"""What a test script leaves for its test: each rank's final weights (``rank{r}.pt``) and facts (``rank{r}.json``)."""
+"""What a test script leaves for its test: each rank's final weights (``rank{r}.pt``) and facts
+(``rank{r}.json``), and the batches it trained on when a reference recomputes its steps."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+
+
+class RecordBatches(L.Callback):
+    """Keeps every training batch this rank sees (the reference recomputes each rank's local steps)."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.batches.append((batch[0].detach().cpu().clone(), batch[1].detach().cpu().clone()))
 
 
 def save_rank(out: str, rank: int, model: nn.Module, info: dict[str, Any], prefix: str = "") -> None:

@@ -74,14 +74,14 @@ class StepOrdered(TinyCausalLM):
             os.replace(os.path.join(self.out, "progress.tmp"), os.path.join(self.out, "progress"))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ld_ddp")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=16)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)

@@ -103,7 +103,7 @@ class PatientRendezvousDDP(lightning_dist.DDP):
         return {"store": store}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--timeout", type=float, default=5.0, help="the process-group timeout, seconds")
     p.add_argument("--stop-rank", type=int, default=1)
@@ -111,7 +111,7 @@ def main() -> None:
     p.add_argument("--stop-at", choices=["batch_start", "training_step", "backward"], default="training_step")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     # torchrun sets RANK; Lightning's launcher starts rank r > 0 with LOCAL_RANK=r (one node)
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     os.makedirs(a.out, exist_ok=True)

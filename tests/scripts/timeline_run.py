@@ -24,13 +24,13 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="ddp", choices=["ddp", "powersgd", "horovod"])
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--out", required=True)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     torch.set_num_threads(1)
     strategy = {
         "ddp": lambda: lightning_dist.DDP(),
