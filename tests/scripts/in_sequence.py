@@ -6,8 +6,8 @@ mpirun -np 2 python tests/scripts/in_sequence.py '[["hvd_train.py", ...], ["hvd_
 One launch (Lightning's, mpirun's, torchrun's) then trains several configurations: the process
 start-ups, imports and process-group set-up are paid once. Lightning's launcher starts the other
 ranks with this same command line, so every rank runs every configuration in the same order. Each
-configuration seeds itself, as it does when its script runs alone, and starts with the process's
-communication counters at zero, as in a fresh process, so its results are the same.
+configuration seeds itself, as it does when its script runs alone, and its strategy counts into a
+communicator of its own (counters at zero, as in a fresh process), so its results are the same.
 Each run is a script next to this file (which takes its arguments as ``main(argv)``) and its arguments.
 """
 
@@ -24,7 +24,6 @@ from lightning_dist import collectives
 def main(runs: list[list[str]]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     for script, *argv in runs:
-        collectives.reset_stats()
         importlib.import_module(Path(script).stem).main(argv)
 
 
