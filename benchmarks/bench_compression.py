@@ -21,17 +21,17 @@ import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any
 
 import lightning as L
 import torch
+from meters import GradBytes, PlainSgdOption, StepMeter  # benchmarks/ is on sys.path when a benchmark runs
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from typing_extensions import override
 
 from lightning_dist import DDP, Compressed
 from lightning_dist.compression import reference_bytes
-from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload import WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 ROWS: list[tuple[str, str, dict[str, Any]]] = [
@@ -74,50 +74,6 @@ class TorchHookDDP(DDP):
         )
 
 
-class Model(TinyCausalLM):
-    def __init__(self, plain_sgd: bool, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.plain_sgd = plain_sgd
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.plain_sgd:
-            return torch.optim.SGD(self.parameters(), lr=self.config.lr)
-        return super().configure_optimizers()
-
-
-class Meter(L.Callback):
-    """Step wall time, and the bytes the gradient exchange sent (they all cross during backward)."""
-
-    def __init__(self) -> None:
-        self.step_seconds: list[float] = []
-        self.grad_bytes: list[int] = []
-        self._start = 0.0
-        self._before = 0
-
-    @override
-    def on_train_batch_start(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
-    ) -> None:
-        self._start = time.perf_counter()
-
-    @override
-    def on_before_backward(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
-    ) -> None:
-        self._before = trainer.strategy.communicator.stats.bytes_sent
-
-    @override
-    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.grad_bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._before)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
-    ) -> None:
-        self.step_seconds.append(time.perf_counter() - self._start)
-
-
 def make_strategy(kind: str, options: dict[str, Any]) -> Any:
     if kind == "ddp":
         return DDP()
@@ -129,8 +85,8 @@ def make_strategy(kind: str, options: dict[str, Any]) -> Any:
 def fit(kind: str, options: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
     L.seed_everything(1234, verbose=False)
     workload = json.loads(a.workload)
-    model = Model(kind == "demo", config=WorkloadConfig(seed=1234, **workload))
-    meter = Meter()
+    model = PlainSgdOption(kind == "demo", config=WorkloadConfig(seed=1234, **workload))
+    steps, grads = StepMeter(), GradBytes()
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
@@ -139,7 +95,7 @@ def fit(kind: str, options: dict[str, Any], a: argparse.Namespace) -> dict[str, 
         limit_val_batches=a.val_batches,
         val_check_interval=None,
         check_val_every_n_epoch=None,
-        callbacks=[meter],
+        callbacks=[steps, grads],
         deterministic=True,
     )
     trainer.fit(model)
@@ -148,8 +104,8 @@ def fit(kind: str, options: dict[str, Any], a: argparse.Namespace) -> dict[str, 
     return {
         "rank": trainer.global_rank,
         "val_loss": val_loss,
-        "step_seconds": meter.step_seconds[a.warmup :],
-        "grad_bytes": statistics.median(meter.grad_bytes[a.warmup :]),
+        "step_seconds": steps.step_seconds[a.warmup :],
+        "grad_bytes": statistics.median(grads.grad_bytes[a.warmup :]),
         "reference_bytes": reference_bytes(shapes, trainer.world_size),
         "params": sum(p.numel() for p in model.parameters()),
     }

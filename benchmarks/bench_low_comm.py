@@ -85,28 +85,11 @@ def worker(a: argparse.Namespace) -> None:
     """Fit one row for one epoch (or ``--max-steps``); rank 0 writes its figures to ``--out``."""
     import lightning as L
     import torch
+    from meters import PlainSgdOption, StepMeter  # benchmarks/ is on sys.path when a benchmark runs
 
     from lightning_dist import collectives
-    from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+    from lightning_dist.workload import WorkloadConfig
     from lightning_dist.workload.trainer import quiet_trainer
-
-    class Meter(L.Callback):
-        """Wall time and bytes sent per optimizer step (training steps only)."""
-
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
-            self.bytes: list[int] = []
-            self._t = 0.0
-            self._b = 0
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
-            self._t, self._b = time.perf_counter(), trainer.strategy.communicator.stats.bytes_sent
-
-        def on_train_batch_end(
-            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
-        ) -> None:
-            self.seconds.append(time.perf_counter() - self._t)
-            self.bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._b)
 
     DILOCO_OUTER.clear()
     DILOCO_OUTER.update(json.loads(a.diloco_options))
@@ -116,10 +99,8 @@ def worker(a: argparse.Namespace) -> None:
     config = WorkloadConfig(
         seed=1234, optimizer="sgd" if kind == "demo" else "adamw", **json.loads(a.workload)
     )
-    model = TinyCausalLM(config)
-    if kind == "demo":  # signum update: plain SGD (DeMo keeps the momentum)
-        model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=config.lr)  # type: ignore[method-assign]
-    meter = Meter()
+    model = PlainSgdOption(kind == "demo", config=config)  # DeMo: signum update, plain SGD
+    meter = StepMeter()
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=1 if kind == "single" or a.num_nodes > 1 else 2,
@@ -138,10 +119,10 @@ def worker(a: argparse.Namespace) -> None:
         params = sum(p.numel() for p in model.parameters())
         result = {
             "row": a.worker,
-            "steps": len(meter.seconds),
-            "bytes_per_step": sum(meter.bytes) / max(1, len(meter.bytes)),
+            "steps": len(meter.step_seconds),
+            "bytes_per_step": sum(meter.step_bytes) / max(1, len(meter.step_bytes)),
             "val_loss": float(metrics["val_loss"]),
-            "step_seconds": meter.seconds[WARMUP:],
+            "step_seconds": meter.step_seconds[WARMUP:],
             "params": params,
             "world_size": trainer.world_size,
         }

@@ -30,12 +30,12 @@ from typing import Any
 
 import lightning as L
 import torch
+from meters import GradBytes, PlainSgdOption  # benchmarks/ is on sys.path when a benchmark runs
 from torch import nn
-from typing_extensions import override
 
 from lightning_dist import DDP, Compressed
 from lightning_dist.compression import make_compressor, reference_bytes
-from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+from lightning_dist.workload import WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
 ROWS: list[tuple[str, dict[str, Any]]] = [
@@ -50,41 +50,11 @@ ROWS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-class Model(TinyCausalLM):
-    def __init__(self, plain_sgd: bool, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.plain_sgd = plain_sgd
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.plain_sgd:
-            return torch.optim.SGD(self.parameters(), lr=self.config.lr)
-        return super().configure_optimizers()
-
-
-class Meter(L.Callback):
-    """Bytes the gradient exchange sent per step (they all cross during backward)."""
-
-    def __init__(self) -> None:
-        self.grad_bytes: list[int] = []
-        self._before = 0
-
-    @override
-    def on_before_backward(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
-    ) -> None:
-        self._before = trainer.strategy.communicator.stats.bytes_sent
-
-    @override
-    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.grad_bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._before)
-
-
 def fit(index: int, a: argparse.Namespace) -> dict[str, Any]:
     label, options = ROWS[index]
     L.seed_everything(1234, verbose=False)
-    model = Model(index > 0, config=WorkloadConfig(seed=1234, **json.loads(a.workload)))
-    meter = Meter()
+    model = PlainSgdOption(index > 0, config=WorkloadConfig(seed=1234, **json.loads(a.workload)))
+    meter = GradBytes()
     strategy = DDP() if index == 0 else Compressed("demo", log_stats=False, **options)
     trainer = quiet_trainer(
         accelerator="cpu",
