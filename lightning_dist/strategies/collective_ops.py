@@ -54,8 +54,10 @@ class CollectiveOpsMixin(Strategy):
             self._communicator.close()
         self._communicator = comm
 
-    def _close_communicator(self) -> None:
-        """A strategy's teardown: stop the helper threads of its own communicator."""
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown, then stop the helper threads of this strategy's own communicator."""
+        super().teardown()
         if self._communicator is not None:
             self._communicator.close()
 

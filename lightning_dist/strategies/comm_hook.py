@@ -5,7 +5,7 @@ sets ``state.comm`` when it registers the hook."""
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,20 @@ from torch.futures import Future
 
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.adasum import back_to_back
+
+
+class HookState(Protocol):
+    """What every hook state of the pack has: a call counter and the strategy's communicator."""
+
+    calls: int
+    comm: Optional[Communicator]
+
+
+def start_call(state: HookState, hook: str) -> Communicator:
+    """Count one call of ``hook`` and return the communicator the strategy set on its state."""
+    state.calls += 1
+    assert state.comm is not None, f"{hook}: the strategy sets state.comm when it registers the hook"
+    return state.comm
 
 
 @dataclass
@@ -31,9 +45,7 @@ def collectives_hook(
     state: CollectivesHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Reduce one bucket: fused for sum/avg, per parameter tensor for Adasum."""
-    state.calls += 1
-    comm = state.comm
-    assert comm is not None, "collectives_hook: the strategy sets state.comm when it registers the hook"
+    comm = start_call(state, "collectives_hook")
     buffer = bucket.buffer()
     if state.reduce_op != "adasum":
         return comm.all_reduce_async(buffer, state.reduce_op)

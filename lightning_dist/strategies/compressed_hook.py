@@ -22,6 +22,7 @@ from torch.futures import Future
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import Compressor, Exchange, reference_bytes
+from lightning_dist.strategies.comm_hook import start_call
 from lightning_dist.warn import warn_once
 
 Layout = dict[int, list[int]]
@@ -120,9 +121,7 @@ def compressed_hook(
     state: CompressedHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Compress one bucket and exchange it through ``state.comm`` (see the module docstring)."""
-    state.calls += 1
-    comm = state.comm
-    assert comm is not None, "compressed_hook: the strategy sets state.comm when it registers the hook"
+    comm = start_call(state, "compressed_hook")
     world_size, rank = comm.world_size, comm.rank
     compressor = state.compressor
     grads = bucket.gradients()

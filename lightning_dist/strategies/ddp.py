@@ -203,11 +203,6 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             self.launcher.kill(signal.SIGKILL)
         super().on_exception(exception)
 
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._close_communicator()
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -196,11 +196,6 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
         self.applied_lr_scale = self.lr_scale_factor()
         scale_learning_rates(self.optimizers, self.lr_scheduler_configs, self.applied_lr_scale)
 
-    @override
-    def teardown(self) -> None:
-        super().teardown()
-        self._close_communicator()
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
