@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 from rank_io import save_fitted
+from run_options import resume_path, trainer_length
 
 import lightning_dist
 from lightning_dist import collectives
@@ -65,22 +66,13 @@ def fit(run: dict[str, Any], out: str) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=run.get("steps", -1 if "epochs" in run else 20),
-        max_epochs=run.get("epochs"),
-        limit_train_batches=run.get("batches_per_epoch", 1.0),
-        accumulate_grad_batches=run.get("accumulate", 1),
-        precision=run.get("precision", "32-true"),
+        **trainer_length(run, default_steps=20),
         limit_val_batches=1.0,
         val_check_interval=None,
         check_val_every_n_epoch=None,
         deterministic=True,
     )
-    ckpt = run.get("resume")
-    if ckpt and run.get("drop_compressor_state"):
-        loaded = torch.load(ckpt, weights_only=False)
-        loaded.pop(CHECKPOINT_KEY, None)
-        ckpt = f"{ckpt}.dropped{trainer.global_rank}"
-        torch.save(loaded, ckpt)
+    ckpt = resume_path(run, "drop_compressor_state", CHECKPOINT_KEY, trainer.global_rank)
     trainer.fit(model, ckpt_path=ckpt)
     if run.get("save"):
         trainer.save_checkpoint(run["save"])

@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 from rank_io import RecordBatches, save_fitted
+from run_options import resume_path, trainer_length
 
 import lightning_dist
 from lightning_dist import collectives
@@ -68,23 +69,14 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_steps=run.get("steps", -1 if "epochs" in run else 8),
-        max_epochs=run.get("epochs"),
-        limit_train_batches=run.get("batches_per_epoch", 1.0),
-        accumulate_grad_batches=run.get("accumulate", 1),
-        precision=run.get("precision", "32-true"),
+        **trainer_length(run, default_steps=8),
         limit_val_batches=2,
         val_check_interval=None,
         check_val_every_n_epoch=None,
         deterministic=True,
         callbacks=[recorder],
     )
-    ckpt = run.get("resume")
-    if ckpt and run.get("drop_diloco_state"):
-        loaded = torch.load(ckpt, weights_only=False)
-        loaded.pop(CHECKPOINT_KEY)
-        ckpt = f"{ckpt}.dropped{trainer.global_rank}"
-        torch.save(loaded, ckpt)
+    ckpt = resume_path(run, "drop_diloco_state", CHECKPOINT_KEY, trainer.global_rank)
     trainer.fit(model, ckpt_path=ckpt)
     snapshot = trainer.strategy.communicator.stats.snapshot()  # made at setup: counts from zero
     if run.get("save"):

@@ -133,23 +133,15 @@ def fit(
     model = Logged(out, kill_rank, kill_step, step_sleep, fault)
     if fault == "commit" and model.attempt == 0 and int(os.environ.get("RANK", "0")) == 0:
         crash_while_writing(out, kill_step)
-    strategy: Union[Elastic, ElasticDiLoCo]
-    if diloco:
-        strategy = ElasticDiLoCo(
-            commit_every=commit_every,
-            dirpath=os.path.join(out, "commits"),
-            scale_lr=scale_lr,
-            inner_steps=diloco,
-            compression=compression,
-        )
-    else:
-        strategy = Elastic(
-            commit_every=commit_every,
-            dirpath=os.path.join(out, "commits"),
-            compression=compression,
-            reduce_op=reduce_op,
-            scale_lr=scale_lr,
-        )
+    common: dict[str, Any] = dict(
+        commit_every=commit_every,
+        dirpath=os.path.join(out, "commits"),
+        compression=compression,
+        scale_lr=scale_lr,
+    )
+    strategy: Union[Elastic, ElasticDiLoCo] = (
+        ElasticDiLoCo(inner_steps=diloco, **common) if diloco else Elastic(reduce_op=reduce_op, **common)
+    )
     trainer = quiet_trainer(
         accelerator=accelerator,
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
