@@ -19,8 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from machine_info import machine  # benchmarks/ is on sys.path when a benchmark runs
 
@@ -75,20 +77,25 @@ def worker(args: argparse.Namespace) -> None:
     def ours(ts: list[torch.Tensor]) -> None:
         comm.all_reduce(ts, op="adasum")
 
-    def horovods(ts: list[torch.Tensor]) -> None:
-        handles = [hvd.allreduce_async_(t, op=hvd.Adasum) for t in ts]
-        for h in handles:
-            hvd.synchronize(h)
-
     def gloo_sum(ts: list[torch.Tensor]) -> None:
         comm.all_reduce(ts, op="sum")
 
-    def horovod_sum(ts: list[torch.Tensor]) -> None:
-        handles = [hvd.allreduce_async_(t, op=hvd.Sum) for t in ts]
-        for h in handles:
-            hvd.synchronize(h)
+    def horovods(op: Any) -> Callable[[list[torch.Tensor]], None]:
+        """Horovod's in-place all-reduce of ``op``: every tensor started, then each waited for."""
 
-    impls = {"ours": ours, "horovod": horovods, "gloo_sum": gloo_sum, "horovod_sum": horovod_sum}
+        def run(ts: list[torch.Tensor]) -> None:
+            handles = [hvd.allreduce_async_(t, op=op) for t in ts]
+            for h in handles:
+                hvd.synchronize(h)
+
+        return run
+
+    impls = {
+        "ours": ours,
+        "horovod": horovods(hvd.Adasum),
+        "gloo_sum": gloo_sum,
+        "horovod_sum": horovods(hvd.Sum),
+    }
     if rank == 0:
         print(f"machine: {machine()}")
         print(

@@ -15,6 +15,12 @@ from typing_extensions import override
 from lightning_dist.workload import TinyCausalLM
 
 
+def _bytes_sent(trainer: L.Trainer) -> int:
+    """What the strategy's communicator has sent so far (the counters of a lightning_dist strategy)."""
+    strategy: Any = trainer.strategy
+    return strategy.communicator.stats.bytes_sent
+
+
 class PlainSgdOption(TinyCausalLM):
     """The workload with its own optimizer, or plain SGD at the same lr (for DeMo rows: DeMo keeps
     the momentum and returns a sign update)."""
@@ -41,11 +47,11 @@ class GradBytes(L.Callback):
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
-        self._before = trainer.strategy.communicator.stats.bytes_sent
+        self._before = _bytes_sent(trainer)
 
     @override
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.grad_bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._before)
+        self.grad_bytes.append(_bytes_sent(trainer) - self._before)
 
 
 class StepMeter(L.Callback):
@@ -62,11 +68,11 @@ class StepMeter(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
     ) -> None:
         self._start = time.perf_counter()
-        self._sent = trainer.strategy.communicator.stats.bytes_sent
+        self._sent = _bytes_sent(trainer)
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         self.step_seconds.append(time.perf_counter() - self._start)
-        self.step_bytes.append(trainer.strategy.communicator.stats.bytes_sent - self._sent)
+        self.step_bytes.append(_bytes_sent(trainer) - self._sent)
