@@ -82,35 +82,30 @@ def test_names_instances_and_registry() -> None:
 
 # -- Horovod --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("kwargs", "pattern"),
+    ("cls", "kwargs", "pattern"),
     [
         (
+            Horovod,
             {"op": "median"},
             r"op='median' is not supported; accepted: 'avg', 'sum' \(also 'mean' or 'average' for 'avg'; "
             r"'add' for 'sum'; torch.distributed.ReduceOp.AVG/SUM\)$",
         ),
-        ({"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
-        ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
-        ({"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
+        (Horovod, {"compression": "int4"}, r"compression='int4'.*accepted: None, 'none', 'fp16', 'bf16'"),
+        (Horovod, {"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
+        (Horovod, {"fusion_mb": 64}, r"unknown option\(s\) fusion_mb; accepted: op, compression, lr_scale"),
+        (HorovodAdasum, {"compression": "fp16"}, r"compression='fp16' is not supported with op='adasum'"),
+        (HorovodAdasum, {"compression": "bf16"}, r"compression='bf16' is not supported with op='adasum'"),
+        (HorovodAdasum, {"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
+        (
+            HorovodAdasum,
+            {"fusion_mb": 64},
+            r"HorovodAdasum got unknown option\(s\) fusion_mb; accepted: op, compression",
+        ),
     ],
 )
-def test_bad_horovod_arguments(kwargs: dict, pattern: str) -> None:
+def test_bad_horovod_arguments(cls: type, kwargs: dict, pattern: str) -> None:
     with pytest.raises(ValueError, match=pattern):
-        Horovod(**kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "pattern"),
-    [
-        ({"compression": "fp16"}, r"compression='fp16' is not supported with op='adasum'"),
-        ({"compression": "bf16"}, r"compression='bf16' is not supported with op='adasum'"),
-        ({"lr_scale": 0}, r"lr_scale=0; accepted: 'auto' or a number > 0"),
-        ({"fusion_mb": 64}, r"HorovodAdasum got unknown option\(s\) fusion_mb; accepted: op, compression"),
-    ],
-)
-def test_bad_horovod_adasum_arguments(kwargs: dict, pattern: str) -> None:
-    with pytest.raises(ValueError, match=pattern):
-        HorovodAdasum(**kwargs)
+        cls(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs", [{"op": "adasum"}, {"op": "adasum", "compression": "fp16"}])
