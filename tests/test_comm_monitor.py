@@ -16,7 +16,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import SCRIPTS, run_in_sequence
+from helpers import MPIRUN_TWO_RANKS, SCRIPTS, run_in_sequence
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
@@ -311,10 +311,8 @@ def horovod_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not found (apt-get install openmpi-bin)")
-    mpi = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
-    env = ["-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
     runs = {strategy: (strategy, 1) for strategy in HOROVOD_RUNS}
-    return launch(tmp_path_factory.mktemp("horovod"), runs, [*mpi, *env, sys.executable])
+    return launch(tmp_path_factory.mktemp("horovod"), runs, [*MPIRUN_TWO_RANKS, sys.executable])
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import SCRIPTS, assert_same_weights, max_abs_diff, run_in_sequence, run_script
+from helpers import MPIRUN_TWO_RANKS, SCRIPTS, assert_same_weights, max_abs_diff, run_in_sequence, run_script
 
 from lightning_dist.compression import make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
@@ -254,8 +254,7 @@ def horovod_compression(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not found (apt-get install openmpi-bin)")
     root = tmp_path_factory.mktemp("horovod")
-    mpirun = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-              "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable]  # fmt: skip
+    mpirun = [*MPIRUN_TWO_RANKS, sys.executable]
     runs = [["compressed_hvd.py", "--compression", c, "--out", str(root / c)] for c in HOROVOD_COMPRESSIONS]
     run_in_sequence(runs, JOB_BUDGET, launcher=mpirun)
     return root

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, run_command
+from helpers import MPIRUN_TWO_RANKS, SCRIPTS, run_command
 from torch import nn
 
 from lightning_dist.collectives import Communicator
@@ -102,8 +102,6 @@ def test_several_ranks_differ() -> None:
 
 
 # -- the strategies, two ranks in child processes ----------------------------------------------------
-MPI = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-       "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]  # fmt: skip
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             "--max-restarts=0"]  # fmt: skip
 BUDGET_S = 60.0
@@ -115,10 +113,14 @@ CASES = [
     pytest.param("ddp", "shape", [sys.executable], id="ddp"),
     pytest.param("compressed", "shape", [sys.executable], id="compressed"),
     pytest.param("elastic", "shape", TORCHRUN, id="elastic"),
-    pytest.param("horovod", "shape", [*MPI, sys.executable], id="horovod", marks=horovod),
+    pytest.param("horovod", "shape", [*MPIRUN_TWO_RANKS, sys.executable], id="horovod", marks=horovod),
     pytest.param("ddp", "extra", [sys.executable], id="ddp-extra-layer"),
     pytest.param(
-        "horovod_adasum", "extra", [*MPI, sys.executable], id="horovod_adasum-extra-layer", marks=horovod
+        "horovod_adasum",
+        "extra",
+        [*MPIRUN_TWO_RANKS, sys.executable],
+        id="horovod_adasum-extra-layer",
+        marks=horovod,
     ),
 ]
 EXPECTED = {

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import SCRIPTS, load_rank, run_command, run_in_sequence
+from helpers import MPIRUN_TWO_RANKS, SCRIPTS, load_rank, run_command, run_in_sequence
 
 from lightning_dist import collectives
 from lightning_dist.callbacks import Timeline
@@ -205,17 +205,7 @@ def test_timeline_horovod(tmp_path: Path) -> None:
         pytest.skip("mpirun not found")
     out = tmp_path / "horovod"
     cmd = [
-        "mpirun",
-        "-np",
-        "2",
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        "-x",
-        "PYTHONPATH",
-        "-x",
-        "OMP_NUM_THREADS",
+        *MPIRUN_TWO_RANKS,
         sys.executable,
         str(SCRIPTS / "timeline_run.py"),
         "--strategy",
