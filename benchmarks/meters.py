@@ -16,9 +16,10 @@ from lightning_dist.workload import TinyCausalLM
 
 
 def _bytes_sent(trainer: L.Trainer) -> int:
-    """What the strategy's communicator has sent so far (the counters of a lightning_dist strategy)."""
-    strategy: Any = trainer.strategy
-    return strategy.communicator.stats.bytes_sent
+    """What the strategy's communicator has sent so far: a lightning_dist strategy's counters; 0 for
+    a strategy without one (one process: Lightning's single-device strategy sends nothing)."""
+    comm = getattr(trainer.strategy, "communicator", None)
+    return 0 if comm is None else int(comm.stats.bytes_sent)
 
 
 class PlainSgdOption(TinyCausalLM):
