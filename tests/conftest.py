@@ -5,6 +5,9 @@
   other test that tries fails at the attempt (setup, call and teardown are all watched).
 - A child-process budget (``helpers.run_command``'s ``timeout``) must stay below the running
   test's pytest-timeout, so the budget, which kills the child and shows its output, fires first.
+
+It also holds the session's shared runs (tests/shared_runs.py): one launch per launcher, made by the
+first test that asks for it.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import helpers
 import pytest
+import shared_runs
 
 
 @contextlib.contextmanager
@@ -59,3 +64,21 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> Any:
 def pytest_timeout_cancel_timer(item: pytest.Item) -> Any:
     helpers.TEST_TIMEOUT = None
     return (yield)
+
+
+@pytest.fixture(scope="session")
+def shared_popen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``shared_runs.POPEN`` and ``POPEN_FILES``: name -> the run's folder (or file)."""
+    return shared_runs.popen(tmp_path_factory.mktemp("shared_popen"))
+
+
+@pytest.fixture(scope="session")
+def shared_torchrun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``shared_runs.TORCHRUN``: name -> the run's folder."""
+    return shared_runs.torchrun(tmp_path_factory.mktemp("shared_torchrun"))
+
+
+@pytest.fixture(scope="session")
+def shared_mpirun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``shared_runs.MPIRUN`` and ``MPIRUN_FILES`` (skipped without Horovod or mpirun)."""
+    return shared_runs.mpirun(tmp_path_factory.mktemp("shared_mpirun"))

@@ -16,35 +16,14 @@ from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 pytestmark = pytest.mark.slow
 SCRIPT = str(SCRIPTS / "ddp_run.py")
 BUDGET = 120
-"""Seconds for one 2-process launch (about 6 s for one run on 2 shared cores, 25 s for the module's
-runs in one launch): at most half the 300 s test timeout, so a stuck launch is stopped by its
-budget, with its output."""
-POPEN_RUNS = {
-    "ref1": ["--strategy", "ddp", "--accumulate", "1"],
-    "ours1": ["--strategy", "ld_ddp", "--accumulate", "1"],
-    "ref2": ["--strategy", "ddp", "--accumulate", "2"],
-    "ours2": ["--strategy", "ld_ddp", "--accumulate", "2"],
-    "k1": ["--strategy", "ld_ddp", "--accumulate", "1", "--max-steps", "4"],
-    "k2": ["--strategy", "ld_ddp", "--accumulate", "2", "--max-steps", "4"],
-    "DDP_popen": ["--strategy", "DDP", "--start-method", "popen", "--max-steps", "3"],
-    "ld_ddp_popen": ["--strategy", "ld_ddp", "--max-steps", "3"],
-}
-"""The runs launched by Lightning's own launcher (popen), all in one launch: name -> ddp_run.py's flags."""
-
-
-@pytest.fixture(scope="module")
-def popen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every run of ``POPEN_RUNS`` and the metrics probe, one after another in one 2-process launch."""
-    root = tmp_path_factory.mktemp("popen")
-    runs = [[SCRIPT, *args, "--out", str(root / name)] for name, args in POPEN_RUNS.items()]
-    runs.append([str(SCRIPTS / "metric_run.py"), "--strategy", "ld_ddp", "--out", str(root / "metrics.json")])
-    run_in_sequence(runs, timeout=BUDGET)
-    return {name: root / name for name in [*POPEN_RUNS, "metrics.json"]}
+"""Seconds for one 2-process launch (about 6 s for one run on 2 shared cores): at most half the
+300 s test timeout, so a stuck launch is stopped by its budget, with its output. The runs Lightning's
+own launcher starts are in tests/shared_runs.py (``shared_popen``)."""
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_final_weights_equal_lightning_ddp(popen: dict[str, Path], accumulate: int) -> None:
-    ref, ours = popen[f"ref{accumulate}"], popen[f"ours{accumulate}"]
+def test_final_weights_equal_lightning_ddp(shared_popen: dict[str, Path], accumulate: int) -> None:
+    ref, ours = shared_popen[f"ddp_ref{accumulate}"], shared_popen[f"ddp_ours{accumulate}"]
     ref_w, ref_info = load_rank(ref, 0)
     for rank in (0, 1):
         w, info = load_rank(ours, rank)
@@ -58,8 +37,8 @@ def test_final_weights_equal_lightning_ddp(popen: dict[str, Path], accumulate: i
     assert any((initial[k] - ref_w[k]).abs().max() > 1e-4 for k in ref_w), "training changed the weights"
 
 
-def test_hook_runs_on_cpu_and_accumulation_syncs_once_per_k(popen: dict[str, Path]) -> None:
-    once, twice = popen["k1"], popen["k2"]
+def test_hook_runs_on_cpu_and_accumulation_syncs_once_per_k(shared_popen: dict[str, Path]) -> None:
+    once, twice = shared_popen["ddp_k1"], shared_popen["ddp_k2"]
     _, info1 = load_rank(once, 0)
     _, info2 = load_rank(twice, 0)
     assert info1["global_step"] == info2["global_step"] == 4
@@ -87,20 +66,20 @@ def spawned_and_forked(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork"])
 def test_spawn_and_fork_launch_match_popen(
-    popen: dict[str, Path], spawned_and_forked: Path, start_method: str
+    shared_popen: dict[str, Path], spawned_and_forked: Path, start_method: str
 ) -> None:
-    w_popen, _ = load_rank(popen["DDP_popen"], 0)
+    w_popen, _ = load_rank(shared_popen["DDP_popen_3"], 0)
     w_other, info = load_rank(spawned_and_forked / start_method, 0)
     assert info["world_size"] == 2
     assert_same_weights(w_other, w_popen, atol=0)
 
 
-def test_torchmetrics_and_sync_dist_logging_are_global(popen: dict[str, Path]) -> None:
+def test_torchmetrics_and_sync_dist_logging_are_global(shared_popen: dict[str, Path]) -> None:
     import json
 
     import torchmetrics
 
-    got = json.loads(popen["metrics.json"].read_text())
+    got = json.loads(shared_popen["ddp_metrics.json"].read_text())
     from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
 
     logits, target = dataset().tensors
@@ -114,7 +93,7 @@ def test_torchmetrics_and_sync_dist_logging_are_global(popen: dict[str, Path]) -
     assert got["rank_sum"] == pytest.approx(3.0 * (N // 2) / 5)
 
 
-def test_torchrun_launch_matches_popen(tmp_path: Path, popen: dict[str, Path]) -> None:
+def test_torchrun_launch_matches_popen(tmp_path: Path, shared_popen: dict[str, Path]) -> None:
     out = tmp_path / "torchrun"
     run_script(
         # --standalone: the agent's rendezvous store listens on a port the OS picks (port 0) and the
@@ -126,4 +105,4 @@ def test_torchrun_launch_matches_popen(tmp_path: Path, popen: dict[str, Path]) -
     for rank in (0, 1):
         w, info = load_rank(out, rank)
         assert info["world_size"] == 2 and info["hook_calls"] > 0
-        assert_same_weights(w, load_rank(popen["ld_ddp_popen"], 0)[0], atol=0)
+        assert_same_weights(w, load_rank(shared_popen["ld_ddp_3"], 0)[0], atol=0)

@@ -30,17 +30,8 @@ from helpers import (
 
 from lightning_dist.elastic import commits
 
+pytestmark = pytest.mark.slow
 COMMIT_EVERY, STEPS, GLOBAL_BATCH = 3, 12, 8  # tiny workload: batch 4 per rank, 2 ranks
-SCALE_STEPS = 24  # the 2 -> 1 -> 2 runs
-REFERENCE_BUDGET = 200
-"""Seconds for the module's fault-free runs, one torchrun launch (about 50 s on 2 shared cores);
-each test's timeout is twice that."""
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * REFERENCE_BUDGET)]
-
-
-def torchrun_cmd(nproc: int = 2, max_restarts: int = 1) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}"]  # fmt: skip
 
 
 def torchrun_proc(
@@ -52,17 +43,10 @@ def torchrun_proc(
     nproc: int = 2,
     **env: str,
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        *torchrun_cmd(nproc, max_restarts),
-        str(SCRIPTS / "elastic_run.py"),
-        *elastic_args(out, *args, steps=steps),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", str(SCRIPTS / "elastic_run.py"), "--out", str(out),
+           "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]  # fmt: skip
     return run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
-
-
-def elastic_args(out: Path, *args: str, steps: int = STEPS) -> list[str]:
-    """elastic_run.py's arguments for a run writing to ``out``."""
-    return ["--out", str(out), "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]
 
 
 def torchrun(out: Path, *args: str, **kwargs: Any) -> int:
@@ -101,23 +85,12 @@ REDUCTIONS = {
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The fault-free runs the tests compare with, one after another in one torchrun launch:
-    each reduction for ``STEPS`` and for ``SCALE_STEPS`` steps ("<reduction>" and
-    "<reduction>_scale"), and the first parts of runs that tests continue: average for 7 steps
-    ("stopped_after_7", commits 3 and 6) and for 6 steps ("stopped_after_6")."""
-    root = tmp_path_factory.mktemp("fault_free")
-    runs = {name: elastic_args(root / name, *args) for name, args in REDUCTIONS.items()}
-    runs |= {f"{name}_scale": elastic_args(root / f"{name}_scale", *args, steps=SCALE_STEPS)
-             for name, args in REDUCTIONS.items()}  # fmt: skip
-    runs |= {f"stopped_after_{n}": elastic_args(root / f"stopped_after_{n}", steps=n) for n in (7, 6)}
-    run_in_sequence(
-        [["elastic_run.py", *args] for args in runs.values()],
-        REFERENCE_BUDGET,
-        launcher=torchrun_cmd(max_restarts=0),
-        PYTHONPATH=str(SCRIPTS),
-    )
-    return {name: root / name for name in runs}
+def fault_free(shared_torchrun: dict[str, Path]) -> dict[str, Path]:
+    """The fault-free runs the tests compare with (tests/shared_runs.py, one torchrun launch): each
+    reduction for ``STEPS`` and for ``SCALE_STEPS`` steps ("<reduction>" and "<reduction>_scale"),
+    and the first parts of runs that tests continue: average for 7 steps ("stopped_after_7", commits
+    3 and 6) and for 6 steps ("stopped_after_6")."""
+    return shared_torchrun
 
 
 def continued(fault_free: dict[str, Path], name: str, out: Path) -> Path:
@@ -164,10 +137,9 @@ def test_exception_on_one_rank_restarts_from_the_last_commit(
     tmp_path: Path, fault_free: dict[str, Path]
 ) -> None:
     out = tmp_path / "raised"
-    assert torchrun(out, "--fault", "raise", "--kill-rank", "1", "--kill-step", "7") == 0
-    assert (
-        "injected fault on rank 1 after step 7" in "".join(p.read_text() for p in out.glob("*.log")) or True
-    )
+    proc = torchrun_proc(out, "--fault", "raise", "--kill-rank", "1", "--kill-step", "7")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert "injected fault on rank 1 after step 7" in proc.stderr, proc.stderr[-3000:]
     assert any(e["rank"] == 1 and e["attempt"] == 0 for e in sample_log(out))
     assert_recovered(out, fault_free["average"], resumed_from=6)
 
@@ -249,6 +221,7 @@ def test_run_elastic_restarts_workers_without_torchrun(tmp_path: Path) -> None:
         assert killed[rank]["weights"] == clean[rank]["weights"]
 
 
+SCALE_STEPS = 24
 SCALE_BUDGET = 200
 """Seconds for the two agents of a 2->1->2 run to finish, at most half the test's timeout."""
 SCALE_BOUND = {"powersgd": 0.02, "adasum": 0.75}
@@ -272,7 +245,8 @@ def elastic_agent(out: Path, port: int, hosts_store: bool, *args: str) -> list[s
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
             "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=scale", f"--rdzv-conf={conf}", "--monitor-interval=0.2",
-            str(SCRIPTS / "elastic_run.py"), *elastic_args(out, "--step-sleep", "0.3", *args, steps=SCALE_STEPS)]  # fmt: skip
+            str(SCRIPTS / "elastic_run.py"), "--out", str(out), "--commit-every", str(COMMIT_EVERY),
+            "--max-steps", str(SCALE_STEPS), "--step-sleep", "0.3", *args]  # fmt: skip
 
 
 def wait_for_step(out: Path, world: int, step: int, deadline: float) -> None:

@@ -6,6 +6,7 @@ DiLoCo's fallback (the last-sync parameters, with a warning)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from helpers import assert_same_weights, max_abs_diff
 from lightning.pytorch.strategies import StrategyRegistry
-from test_elastic import GLOBAL_BATCH, STEPS, final_trajectory, sample_log, torchrun, torchrun_proc
+from test_elastic import GLOBAL_BATCH, STEPS, final_trajectory, sample_log, torchrun_proc
 
 import lightning_dist
 from lightning_dist import DiLoCo, Elastic, ElasticDiLoCo
@@ -77,11 +78,11 @@ def test_defaults_layout_and_registered_name() -> None:
 # -- slow: torchrun ------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path) -> None:
+def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path, shared_torchrun: dict[str, Path]) -> None:
     """Rank 1 is killed after step 7; the commit of step 6 (inner step 2 of the second period: the
-    ranks' weights differ) is the resume point; the run ends on the fault-free run's weights, bitwise."""
-    fault_free, out = tmp_path / "fault_free", tmp_path / "killed"
-    assert torchrun(fault_free, *DILOCO, timeout=80) == 0
+    ranks' weights differ) is the resume point; the run ends on the fault-free run's weights, bitwise
+    (the fault-free run: tests/shared_runs.py)."""
+    fault_free, out = shared_torchrun["diloco"], tmp_path / "killed"
     proc = torchrun_proc(out, *DILOCO, "--kill-rank", "1", "--kill-step", "7", timeout=100)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "DiLoCo:" not in proc.stderr, "no fallback: the commit holds every rank's DiLoCo state"
@@ -111,12 +112,15 @@ def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_resume_at_another_world_size_starts_from_the_last_sync(tmp_path: Path) -> None:
-    """2 workers stop after step 7 (commits 3 and 6); 1 worker resumes from commit 6 with DiLoCo's
-    warning: the steps since the last sync are dropped (inner step 0), the sync count is kept, and the
-    global batch too (2 micro-batches per step), so it trains on every remaining sample once."""
+def test_resume_at_another_world_size_starts_from_the_last_sync(
+    tmp_path: Path, shared_torchrun: dict[str, Path]
+) -> None:
+    """2 workers stop after step 7 (commits 3 and 6; a copy of tests/shared_runs.py's run); 1 worker
+    resumes from commit 6 with DiLoCo's warning: the steps since the last sync are dropped (inner step
+    0), the sync count is kept, and the global batch too (2 micro-batches per step), so it trains on
+    every remaining sample once."""
     out = tmp_path / "resized"
-    assert torchrun(out, *DILOCO, steps=7, max_restarts=0, timeout=80) == 0
+    shutil.copytree(shared_torchrun["diloco_stopped_after_7"], out)
     proc = torchrun_proc(out, *DILOCO, nproc=1, max_restarts=0, timeout=80)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "DiLoCo: the checkpoint was saved at world size 2, this run has 1" in proc.stderr

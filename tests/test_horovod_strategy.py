@@ -23,26 +23,11 @@ if shutil.which("mpirun") is None:
 
 ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
 BUDGET = 200
-"""Seconds for one launch of the runs below (one Horovod run takes about 15 s on 2 shared cores, the
-mpirun fixture's ten about 60 s): each test is marked `@pytest.mark.timeout(2 * BUDGET)`."""
+"""Seconds for the horovodrun launch below (one Horovod run takes about 15 s on 2 shared cores): each
+test is marked `@pytest.mark.timeout(2 * BUDGET)`. The mpirun runs and the "ddp" references are
+tests/shared_runs.py's (``shared_mpirun``, ``shared_popen``)."""
 LR = 3e-3
 """hvd_train.py's AdamW learning rate (weight decay 0.01)."""
-MPIRUN_RUNS = {
-    "clip": ["--strategy", "horovod", "--lr-scale", "1", "--clip", "0.05", "--max-steps", "6"],
-    "noclip": ["--strategy", "horovod", "--lr-scale", "1", "--max-steps", "6"],
-    "auto_lr": ["--strategy", "horovod", "--max-steps", "12"],
-    **{
-        f"{kind}-{strategy}": ["--strategy", strategy, *flags, "--optimizer", "sgd", "--max-steps", "5"]
-        for strategy in ("horovod", "horovod_adasum")
-        for kind, flags in (("acc", ["--accumulate", "2"]), ("big", ["--batch-size", "8"]))
-    },
-}
-"""hvd_train.py runs under ``mpirun -np 2``, all in one launch: name -> flags."""
-DDP_REFERENCES = {
-    "clip": ["--strategy", "ddp", "--clip", "0.05", "--max-steps", "6"],
-    "lr_x2": ["--strategy", "ddp", "--lr", str(2 * LR), "--max-steps", "12"],
-}
-"""Lightning's "ddp" on 2 processes (ddp_run.py), all in one launch: name -> flags."""
 ATOL = 1e-5
 """Horovod's average against Lightning's "ddp": the same gradients and steps, summed in another order."""
 
@@ -52,18 +37,7 @@ pytestmark.append(pytest.mark.timeout(2 * BUDGET))
 def mpirun(
     np: int, script: str, *args: str, check: bool = True, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [*mpirun_cmd(np), script, *args]
-    proc = run_command(cmd, timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-        )
-    return proc
-
-
-def mpirun_cmd(np: int) -> list[str]:
-    """mpirun's command up to the script: ``np`` ranks, this interpreter."""
-    return [
+    cmd = [
         "mpirun",
         "-np",
         str(np),
@@ -73,19 +47,15 @@ def mpirun_cmd(np: int) -> list[str]:
         "-x",
         "OMP_NUM_THREADS",
         sys.executable,
+        script,
+        *args,
     ]
-
-
-@pytest.fixture(scope="module")
-def mpirun_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every run of ``MPIRUN_RUNS`` and the metrics probe, one after another in one mpirun launch."""
-    root = tmp_path_factory.mktemp("mpirun")
-    runs = [["hvd_train.py", *flags, "--out", str(root / name)] for name, flags in MPIRUN_RUNS.items()]
-    runs.append(
-        ["metric_run.py", "--strategy", "horovod", "--devices", "1", "--out", str(root / "metrics.json")]
-    )
-    run_in_sequence(runs, BUDGET, launcher=mpirun_cmd(2))
-    return {name: root / name for name in [*MPIRUN_RUNS, "metrics.json"]}
+    proc = run_command(cmd, timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -107,16 +77,6 @@ def horovodrun_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
     )
     return root
-
-
-@pytest.fixture(scope="module")
-def ddp_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every run of ``DDP_REFERENCES``, one after another in one 2-process Lightning launch."""
-    root = tmp_path_factory.mktemp("ddp")
-    run_in_sequence(
-        [["ddp_run.py", *flags, "--out", str(root / name)] for name, flags in DDP_REFERENCES.items()], BUDGET
-    )
-    return {name: root / name for name in DDP_REFERENCES}
 
 
 def assert_in_sync(out: Path) -> dict[str, torch.Tensor]:
@@ -175,31 +135,32 @@ def test_horovod_adasum_one_adam_step_combines_the_updates(horovodrun_runs: Path
 
 
 def test_horovod_average_trains_and_matches_lightning_ddp_with_clipping(
-    mpirun_runs: dict[str, Path], ddp_references: dict[str, Path]
+    shared_mpirun: dict[str, Path], shared_popen: dict[str, Path]
 ) -> None:
-    w_ref, _ = load_rank(ddp_references["clip"], 0)
-    w0 = assert_in_sync(mpirun_runs["clip"])
+    w_ref, _ = load_rank(shared_popen["ddp_clip"], 0)
+    w0 = assert_in_sync(shared_mpirun["hvd_clip"])
     assert max_abs_diff(w0, w_ref) < ATOL
-    unclipped = mpirun_runs["noclip"]
+    unclipped = shared_mpirun["hvd_noclip"]
     assert max_abs_diff(load_rank(unclipped, 0)[0], w0) > 1e-4, "clipping at 0.05 must change the result"
 
 
 def test_horovod_average_with_auto_lr_scale_equals_lightning_ddp_at_twice_the_lr(
-    mpirun_runs: dict[str, Path], ddp_references: dict[str, Path]
+    shared_mpirun: dict[str, Path], shared_popen: dict[str, Path]
 ) -> None:
-    """Horovod's average with ``lr_scale="auto"`` (the world size, 2) is Lightning's "ddp" at 2 x lr."""
-    out = mpirun_runs["auto_lr"]
+    """Horovod's average with ``lr_scale="auto"`` (the world size, 2) is Lightning's "ddp" at 2 x lr
+    (``shared_popen["ddp_lr_x2"]``: lr 0.006)."""
+    out = shared_mpirun["hvd_auto_lr"]
     assert load_rank(out, 0)[1]["lr_scale"] == 2.0, "Average scales the learning rate by the world size"
     w0 = assert_trained_and_in_sync(out)
-    reference, _ = load_rank(ddp_references["lr_x2"], 0)
+    reference, _ = load_rank(shared_popen["ddp_lr_x2"], 0)
     assert max_abs_diff(w0, reference) < ATOL, f"off Lightning's ddp by {max_abs_diff(w0, reference)}"
     start = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
     assert max_abs_diff(w0, start) > 1e-2, "12 steps must move the weights"
 
 
 @pytest.mark.parametrize("strategy", ["horovod", "horovod_adasum"])
-def test_accumulation_equals_doubled_batch(mpirun_runs: dict[str, Path], strategy: str) -> None:
-    accumulated, doubled = mpirun_runs[f"acc-{strategy}"], mpirun_runs[f"big-{strategy}"]
+def test_accumulation_equals_doubled_batch(shared_mpirun: dict[str, Path], strategy: str) -> None:
+    accumulated, doubled = shared_mpirun[f"hvd_acc-{strategy}"], shared_mpirun[f"hvd_big-{strategy}"]
     w_acc, info = load_rank(accumulated, 0)
     w_big, _ = load_rank(doubled, 0)
     assert info["global_step"] == 5
@@ -215,10 +176,10 @@ def test_accumulation_equals_doubled_batch(mpirun_runs: dict[str, Path], strateg
     )
 
 
-def test_torchmetrics_and_sync_dist_under_horovod(mpirun_runs: dict[str, Path]) -> None:
+def test_torchmetrics_and_sync_dist_under_horovod(shared_mpirun: dict[str, Path]) -> None:
     import torchmetrics
 
-    got = json.loads(mpirun_runs["metrics.json"].read_text())
+    got = json.loads(shared_mpirun["hvd_metrics.json"].read_text())
     sys.path.insert(0, str(SCRIPTS))
     from metric_run import CLASSES, N, dataset  # type: ignore[import-not-found]
 

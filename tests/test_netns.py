@@ -5,6 +5,7 @@ same run on one host (``DDP()``, ``Compressed("powersgd")``, ``HorovodAdasum()``
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SCRIPTS, assert_same_weights, child_env, load_rank, run_command, run_script
+from helpers import SCRIPTS, assert_same_weights, child_env, load_rank, run_command
 
 from lightning_dist.cluster import netns
 from lightning_dist.cluster.netns import ClusterUnavailable, EmulatedCluster
@@ -165,27 +166,41 @@ def test_up_removes_the_remains_of_a_crashed_run(tmp_path: Path) -> None:
 # --- trainings across 2 nodes ---------------------------------------------------------------
 
 
-def train_on_nodes(cluster: EmulatedCluster, out: Path, *args: str) -> None:
-    argv = [sys.executable, TRAIN, "--devices", "1", "--num-nodes", "2", "--out", str(out), *args]
-    results = cluster.run_each(argv, timeout=BUDGET, env=child_env())
+STRATEGIES = ("DDP", "powersgd")
+
+
+@pytest.fixture(scope="module")
+def across_nodes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, EmulatedCluster]:
+    """Each of ``STRATEGIES`` across 2 nodes at 1 Gbit/s, one after another in one process per node;
+    each node records what its veth received during each fit."""
+    if netns.unavailable_reason() is not None:
+        pytest.skip(str(netns.unavailable_reason()))
+    root = tmp_path_factory.mktemp("nodes")
+    runs = [
+        [TRAIN, "--strategy", s, "--devices", "1", "--num-nodes", "2", "--out", str(root / s)]
+        for s in STRATEGIES
+    ]
+    argv = [sys.executable, str(SCRIPTS / "in_sequence.py"), json.dumps(runs)]
+    with EmulatedCluster(2, rate_mbit=1000) as cluster:
+        results = cluster.run_each(argv, timeout=BUDGET, env=child_env())
     for node, res in zip(cluster.nodes, results):
         assert res.returncode == 0, (
             f"node {node.rank} exited {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}"
         )
+    return root, cluster
 
 
 @slow
 @needs_netns
-@pytest.mark.parametrize("strategy", ["DDP", "powersgd"])
-def test_training_across_two_nodes_equals_one_host(tmp_path: Path, strategy: str) -> None:
-    host = tmp_path / "host"
-    run_script([TRAIN, "--strategy", strategy, "--devices", "2", "--out", str(host)], timeout=BUDGET)
-    ref, ref_info = load_rank(host, 0)
-    nodes = tmp_path / "nodes"
-    with EmulatedCluster(2, rate_mbit=1000) as cluster:
-        before = cluster.link_bytes(1)
-        train_on_nodes(cluster, nodes, "--strategy", strategy)
-        received = cluster.link_bytes(1)[0] - before[0]
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_training_across_two_nodes_equals_one_host(
+    across_nodes: tuple[Path, EmulatedCluster], shared_popen: dict[str, Path], strategy: str
+) -> None:
+    """The same run on one host is tests/shared_runs.py's ``netns_<strategy>``."""
+    ref, ref_info = load_rank(shared_popen[f"netns_{strategy}"], 0)
+    root, cluster = across_nodes
+    nodes = root / strategy
+    received = load_rank(nodes, 1)[1]["veth_received"]
     params = sum(v.numel() for v in ref.values())
     assert received > params * 4, (
         f"node 1 received {received} B over the veth: the gradients did not cross it"
@@ -201,29 +216,13 @@ def test_training_across_two_nodes_equals_one_host(tmp_path: Path, strategy: str
 @slow
 @needs_netns
 @pytest.mark.horovod
-def test_horovod_adasum_with_mpirun_across_two_nodes_equals_one_host(tmp_path: Path) -> None:
-    pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
-    if shutil.which("mpirun") is None:
-        pytest.skip("mpirun not found (apt-get install openmpi-bin)")
+def test_horovod_adasum_with_mpirun_across_two_nodes_equals_one_host(
+    tmp_path: Path, shared_mpirun: dict[str, Path]
+) -> None:
+    """The same run under mpirun on one host is tests/shared_runs.py's ``horovod_adasum_6``."""
     train = [sys.executable, HVD_TRAIN, "--strategy", "horovod_adasum", "--max-steps", "6"]
     forward = ["-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
-    host = tmp_path / "host"
-    root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    cmd = [
-        "mpirun",
-        "-np",
-        "2",
-        *root,
-        "--oversubscribe",
-        "--bind-to",
-        "none",
-        *forward,
-        *train,
-        "--out",
-        str(host),
-    ]
-    proc = run_command(cmd, BUDGET)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    host = shared_mpirun["horovod_adasum_6"]
     nodes = tmp_path / "nodes"
     with EmulatedCluster(2, rate_mbit=1000) as cluster:
         before = cluster.link_bytes(1)
@@ -259,17 +258,13 @@ def elastic_agent_argv(cluster: EmulatedCluster, out: Path, *args: str) -> Any:
 
 @slow
 @needs_netns
-def test_elastic_across_two_nodes_survives_a_kill_and_equals_one_host(tmp_path: Path) -> None:
+def test_elastic_across_two_nodes_survives_a_kill_and_equals_one_host(
+    tmp_path: Path, shared_torchrun: dict[str, Path]
+) -> None:
     """Two torchrun agents in two namespaces: the worker of node 1 is SIGKILLed after step 7, both
     agents restart, the run resumes from the commit of step 6 and ends on the weights of the same
-    run on one host (2 workers, no fault)."""
-    host = tmp_path / "host"
-    proc = run_command(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(SCRIPTS / "elastic_run.py"), "--out", str(host), "--commit-every", "3", "--max-steps", "12"],
-        BUDGET, PYTHONPATH=str(SCRIPTS),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run on one host (2 workers, no fault: tests/shared_runs.py's "average")."""
+    host = shared_torchrun["average"]
     nodes = tmp_path / "nodes"
     env = child_env(PYTHONPATH=str(SCRIPTS), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     with EmulatedCluster(2, rate_mbit=1000) as cluster:

@@ -56,12 +56,8 @@ def slurm_conf() -> Iterator[str]:
     subprocess.run(["bash", str(START), "stop"], capture_output=True, timeout=60)
 
 
-def test_srun_launch_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
-    popen = tmp_path / "popen"
-    run_script(
-        [str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--max-steps", "3", "--out", str(popen)],
-        timeout=BUDGET,
-    )
+def test_srun_launch_matches_popen(tmp_path: Path, slurm_conf: str, shared_popen: dict[str, Path]) -> None:
+    popen = shared_popen["ld_ddp_3"]  # the same run, launched by Lightning (tests/shared_runs.py)
     out = tmp_path / "srun"
     cmd = ["srun", "-N", "1", "--ntasks-per-node", "2", "--export", "ALL", "--kill-on-bad-exit=1"]
     proc = run_command(
@@ -87,7 +83,9 @@ def test_srun_launch_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
         assert_same_weights(w, load_rank(popen, 0)[0], atol=0)
 
 
-def test_horovod_adasum_under_srun_pmix(tmp_path: Path, slurm_conf: str) -> None:
+def test_horovod_adasum_under_srun_pmix(
+    tmp_path: Path, slurm_conf: str, shared_mpirun: dict[str, Path]
+) -> None:
     pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
     out = tmp_path / "hvd"
     cmd = [
@@ -112,6 +110,7 @@ def test_horovod_adasum_under_srun_pmix(tmp_path: Path, slurm_conf: str) -> None
     w1, info1 = load_rank(out, 1)
     assert info0["world_size"] == 2 and info0["stats"]["adasum.calls"] == 6
     assert_same_weights(w0, w1, atol=0)
+    assert_same_weights(w0, load_rank(shared_mpirun["horovod_adasum_6"], 0)[0], atol=0)  # mpirun's run
 
 
 # -- sbatch jobs written by `lightning-dist slurm` -----------------------------------------------------
@@ -184,10 +183,8 @@ def assert_completed(fields: dict[str, str], output: Path) -> None:
     assert fields.get("JobState") == "COMPLETED" and fields.get("ExitCode") == "0:0", f"{fields}\n{log}"
 
 
-def test_sbatch_ddp_job_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
-    popen = tmp_path / "popen"
-    run_script([str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--max-steps", "4", "--out", str(popen)],
-               timeout=BUDGET)  # fmt: skip
+def test_sbatch_ddp_job_matches_popen(tmp_path: Path, slurm_conf: str, shared_popen: dict[str, Path]) -> None:
+    popen = shared_popen["ld_ddp_4"]  # the same run, launched by Lightning (tests/shared_runs.py)
     out = tmp_path / "sbatch" / "out"
     deadline = time.monotonic() + JOB_BUDGET
     job, script, output = submit_job(
@@ -218,15 +215,13 @@ def test_sbatch_ddp_job_matches_popen(tmp_path: Path, slurm_conf: str) -> None:
 
 
 @pytest.mark.parametrize("mpi", ["auto", "mpirun"])
-def test_sbatch_horovod_adasum_job_matches_mpirun(tmp_path: Path, slurm_conf: str, mpi: str) -> None:
+def test_sbatch_horovod_adasum_job_matches_mpirun(
+    tmp_path: Path, slurm_conf: str, shared_mpirun: dict[str, Path], mpi: str
+) -> None:
     """`auto` picks `srun --mpi=pmix` here (srun lists pmix); `mpirun` is the fallback without it."""
     pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
     args = ["--strategy", "horovod_adasum", "--max-steps", "6"]
-    ref = tmp_path / "mpirun"
-    run_command_ok(
-        ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x", "PYTHONPATH",
-         "-x", "OMP_NUM_THREADS", sys.executable, str(SCRIPTS / "hvd_train.py"), *args, "--out", str(ref)],
-    )  # fmt: skip
+    ref = shared_mpirun["horovod_adasum_6"]  # the same run under mpirun on one host (tests/shared_runs.py)
     out = tmp_path / "sbatch" / "out"
     deadline = time.monotonic() + JOB_BUDGET
     job, script, output = submit_job(
@@ -244,14 +239,6 @@ def test_sbatch_horovod_adasum_job_matches_mpirun(tmp_path: Path, slurm_conf: st
         w, info = load_rank(out, rank)
         assert info["world_size"] == 2 and info["stats"]["adasum.calls"] == 6
         assert_same_weights(w, w_ref, atol=0)
-
-
-def run_command_ok(cmd: list[str], timeout: float = BUDGET, **env: str) -> subprocess.CompletedProcess[str]:
-    proc = run_command(cmd, timeout, **env)
-    assert proc.returncode == 0, (
-        f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    )
-    return proc
 
 
 def test_requeued_ddp_job_resumes_from_the_hpc_checkpoint(tmp_path: Path, slurm_conf: str) -> None:
@@ -293,17 +280,14 @@ def test_requeued_ddp_job_resumes_from_the_hpc_checkpoint(tmp_path: Path, slurm_
         assert_same_weights(w, load_rank(ref, rank)[0], atol=0)
 
 
-def test_elastic_job_requeued_resumes_from_its_commit(tmp_path: Path, slurm_conf: str) -> None:
+def test_elastic_job_requeued_resumes_from_its_commit(
+    tmp_path: Path, slurm_conf: str, shared_torchrun: dict[str, Path]
+) -> None:
     """One torchrun per node from the generated script; SIGUSR1 to the batch shell (`B:` signal) makes
     it requeue the job, and the requeued run resumes from Elastic's last commit and ends on the weights
-    of the same run under `torchrun --standalone` (no SLURM)."""
+    of the same run under `torchrun --standalone` (no SLURM; tests/shared_runs.py's "average")."""
     args = ["--commit-every", "3", "--max-steps", "12"]
-    ref = tmp_path / "torchrun"
-    run_command_ok(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(SCRIPTS / "elastic_run.py"), "--out", str(ref), *args],
-        PYTHONPATH=str(SCRIPTS),
-    )  # fmt: skip
+    ref = shared_torchrun["average"]
     work = tmp_path / "job"
     out = work / "out"
     deadline = time.monotonic() + JOB_BUDGET

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, assert_same_weights, load_rank, run_command, run_script
+from helpers import SCRIPTS, assert_same_weights, load_rank, run_command
 
 from lightning_dist.cluster import slurm_nodes
 from lightning_dist.cluster.slurm_nodes import SlurmNodes
@@ -24,8 +24,7 @@ pytestmark = pytest.mark.slow
 START_BUDGET = 90
 """Seconds to bring the two nodes up (about 6 s here), inside the first test's 300 s timeout."""
 BUDGET = 90
-"""Seconds for one 2-process run (5-10 s here): start + a reference run + a cluster run stay below the
-first test's 300 s timeout."""
+"""Seconds for one 2-process run (5-10 s here), at most half the 300 s test timeout."""
 TRAIN = str(SCRIPTS / "netns_train.py")
 HVD_TRAIN = str(SCRIPTS / "hvd_train.py")
 HVD_ARGS = ["--strategy", "horovod_adasum", "--max-steps", "6"]
@@ -95,12 +94,13 @@ def assert_crossed(cluster: SlurmNodes, before: int, ref: dict) -> None:
 
 
 @pytest.mark.parametrize("launch", ["srun", "sbatch"])
-def test_ddp_across_two_slurm_nodes_equals_one_host(tmp_path: Path, cluster: SlurmNodes, launch: str) -> None:
+def test_ddp_across_two_slurm_nodes_equals_one_host(
+    tmp_path: Path, cluster: SlurmNodes, shared_popen: dict[str, Path], launch: str
+) -> None:
     """No MASTER_ADDR, MASTER_PORT or GLOO_SOCKET_IFNAME given: Lightning's SLURM environment takes n1
-    (resolved by the node's /etc/hosts) and a port from the job id, Gloo the node's veth via the hostname."""
-    host = tmp_path / "host"
-    run_script([TRAIN, "--strategy", "DDP", "--devices", "2", "--out", str(host)], timeout=BUDGET)
-    ref, ref_info = load_rank(host, 0)
+    (resolved by the node's /etc/hosts) and a port from the job id, Gloo the node's veth via the hostname.
+    The same run on one host is tests/shared_runs.py's ``netns_DDP``."""
+    ref, ref_info = load_rank(shared_popen["netns_DDP"], 0)
     out = tmp_path / "nodes"
     train = [
         sys.executable,
@@ -166,14 +166,11 @@ def needs_horovod_pmix(cluster: SlurmNodes) -> None:
 @pytest.mark.horovod
 @pytest.mark.parametrize("launch", ["srun", "sbatch"])
 def test_horovod_adasum_across_two_slurm_nodes_equals_mpirun_on_one_host(
-    tmp_path: Path, cluster: SlurmNodes, launch: str
+    tmp_path: Path, cluster: SlurmNodes, launch: str, request: pytest.FixtureRequest
 ) -> None:
+    """The same run under mpirun on one host is tests/shared_runs.py's ``horovod_adasum_6``."""
     needs_horovod_pmix(cluster)
-    host = tmp_path / "host"
-    ok(run_command(["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                    "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable, HVD_TRAIN, *HVD_ARGS,
-                    "--out", str(host)], BUDGET))  # fmt: skip
-    ref, _ = load_rank(host, 0)
+    ref, _ = load_rank(request.getfixturevalue("shared_mpirun")["horovod_adasum_6"], 0)
     out = tmp_path / "nodes"
     train = [sys.executable, HVD_TRAIN, *HVD_ARGS, "--out", str(out)]
     before = veth_received(cluster)
