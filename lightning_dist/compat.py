@@ -143,3 +143,6 @@ def set_checkpoint_loader_state(checkpoint: MutableMapping[str, Any], states: li
     """Set the training DataLoaders' states (one per loader, ``DataLoader.state_dict()``) that a
     checkpoint's fit loop hands back to them on restore."""
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+
+
+check_versions()  # once Lightning is loaded (here, or by the registration hook if it loaded first)

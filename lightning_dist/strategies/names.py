@@ -158,9 +158,10 @@ def register_names(registry: Any) -> None:
 
 def _lightning_loaded(strategies: ModuleType) -> None:
     register_names(strategies.StrategyRegistry)
-    from lightning_dist.compat import check_versions
-
-    check_versions()  # a Lightning outside the tested versions warns once, naming them
+    # compat checks the Lightning version (an untested one warns once) when it loads; it may be the
+    # module importing Lightning right now, so import it only when it is not loading already
+    if "lightning_dist.compat" not in sys.modules:
+        import lightning_dist.compat  # noqa: F401
 
 
 def _strategy_module_loaded(module: ModuleType) -> None:
