@@ -36,8 +36,9 @@ class SyntheticData(L.LightningDataModule):
         return DataLoader(make_data(self.samples // 4, seed=self.seed + 1), batch_size=self.batch_size)
 
 
-def main() -> None:
-    LightningCLI(Classifier, SyntheticData, seed_everything_default=0, save_config_callback=None)
+def main(argv: list[str] | None = None) -> None:
+    """``argv``: the command line's arguments (None: ``sys.argv``'s)."""
+    LightningCLI(Classifier, SyntheticData, seed_everything_default=0, save_config_callback=None, args=argv)
 
 
 if __name__ == "__main__":

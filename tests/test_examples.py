@@ -9,12 +9,19 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import ROOT, run_script
+from helpers import ROOT, run_in_sequence, run_script
 
 EXAMPLES = ROOT / "examples"
-BUDGET = 200
-"""Seconds for one run of an example; a test of n runs is marked
-`@pytest.mark.timeout((n + 1) * BUDGET)`: each budget at most half its timeout, all of them below it."""
+BUDGET = 300
+"""Seconds for the `runs` fixture's launch (about 15 s a run on 2 shared cores); each test that reads
+it is marked `@pytest.mark.timeout(2 * BUDGET)`, so the budget is at most half its timeout."""
+QUICKSTART = {
+    strategy: ["--strategy", strategy, "--max-epochs", "2"]
+    for strategy in ("ddp", "ld_ddp", "ld_compressed_int8")
+}
+CLI_BASE = ["fit", "--config", str(EXAMPLES / "lightning_cli.yaml")]
+CLI = {"yaml": [], "flag": ["--trainer.strategy", "ld_ddp"]}
+"""lightning_cli.py runs: the YAML's strategy, and one from a flag."""
 
 
 def load(name: str) -> ModuleType:
@@ -52,15 +59,32 @@ def test_quickstart_defaults_fit_the_machine(monkeypatch: pytest.MonkeyPatch) ->
     assert quickstart.launched_devices() == (1, 1), "mpirun: one device per process"
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The examples' CPU runs, one after another in one 2-process launch (tests/scripts/in_sequence.py
+    runs each example's ``main`` with its command line): quickstart.py with each of ``QUICKSTART``
+    (``<strategy>.json``), lightning_cli.py with each of ``CLI`` (``<name>/``) and train.py
+    (``summary.json``)."""
+    root = tmp_path_factory.mktemp("examples")
+    quickstart, cli = str(EXAMPLES / "quickstart.py"), str(EXAMPLES / "lightning_cli.py")
+    sequence = [
+        [quickstart, *args, "--root-dir", str(root / name), "--metrics-json", str(root / f"{name}.json")]
+        for name, args in QUICKSTART.items()
+    ]
+    logger = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir"]
+    sequence += [[cli, *CLI_BASE, *extra, *logger, str(root / name), "--trainer.log_every_n_steps", "5"]
+                 for name, extra in CLI.items()]  # fmt: skip
+    sequence.append(
+        [str(EXAMPLES / "train.py"), "--max-steps", "6", "--json-out", str(root / "summary.json")]
+    )
+    run_in_sequence(sequence, BUDGET)
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(4 * BUDGET)
-def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(tmp_path: Path) -> None:
-    got = {}
-    for strategy in ("ddp", "ld_ddp", "ld_compressed_int8"):
-        out = tmp_path / f"{strategy}.json"
-        args = ["--strategy", strategy, "--max-epochs", "2", "--root-dir", str(tmp_path / strategy)]
-        run_script([str(EXAMPLES / "quickstart.py"), *args, "--metrics-json", str(out)], timeout=BUDGET)
-        got[strategy] = json.loads(out.read_text())
+@pytest.mark.timeout(2 * BUDGET)
+def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(runs: Path) -> None:
+    got = {strategy: json.loads((runs / f"{strategy}.json").read_text()) for strategy in QUICKSTART}
     assert got["ddp"]["world_size"] == got["ld_ddp"]["world_size"] == 2
     assert got["ld_ddp"]["val/loss"] == pytest.approx(got["ddp"]["val/loss"], abs=1e-6)
     assert got["ld_ddp"]["val/acc"] > 0.5, "10 classes: chance is 0.1"
@@ -71,6 +95,7 @@ def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(tmp_path: Pat
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
 def test_quickstart_logs_commmonitor_to_tensorboard(tmp_path: Path) -> None:
+    """The example as a user runs it: `python examples/quickstart.py` (the other runs call its main)."""
     pytest.importorskip("tensorboardX", reason="pip install tensorboardX (the dev extra has it)")
     run_script([str(EXAMPLES / "quickstart.py"), "--max-epochs", "1", "--logger", "tensorboard",
                 "--root-dir", str(tmp_path)], timeout=BUDGET)  # fmt: skip
@@ -113,16 +138,9 @@ def _csv_metrics(root: Path) -> dict[str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3 * BUDGET)
-def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(tmp_path: Path) -> None:
-    base = [str(EXAMPLES / "lightning_cli.py"), "fit", "--config", str(EXAMPLES / "lightning_cli.yaml")]
-    got = {}
-    for name, extra in {"yaml": [], "flag": ["--trainer.strategy", "ld_ddp"]}.items():
-        logger = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir"]
-        run_script(
-            [*base, *extra, *logger, str(tmp_path / name), "--trainer.log_every_n_steps", "5"], timeout=BUDGET
-        )
-        got[name] = _csv_metrics(tmp_path / name)
+@pytest.mark.timeout(2 * BUDGET)
+def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(runs: Path) -> None:
+    got = {name: _csv_metrics(runs / name) for name in CLI}
     assert 0.2 < got["yaml"]["comm/compression_ratio"] < 0.35, "the YAML's ld_compressed_int8"
     assert got["flag"]["comm/compression_ratio"] == pytest.approx(1.0, abs=0.01), "--trainer.strategy ld_ddp"
     for metrics in got.values():
@@ -131,9 +149,7 @@ def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
-def test_train_example_runs_the_embedded_workload_on_two_cpu_processes(tmp_path: Path) -> None:
-    out = tmp_path / "summary.json"
-    run_script([str(EXAMPLES / "train.py"), "--max-steps", "6", "--json-out", str(out)], timeout=BUDGET)
-    summary = json.loads(out.read_text())
+def test_train_example_runs_the_embedded_workload_on_two_cpu_processes(runs: Path) -> None:
+    summary = json.loads((runs / "summary.json").read_text())
     assert summary["run"]["strategy"] == "ld_ddp" and summary["result"]["world_size"] == 2
     assert summary["result"]["bytes_sent_per_step"] > 0

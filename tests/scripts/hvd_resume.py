@@ -3,13 +3,15 @@
 mpirun -np 2 python tests/scripts/hvd_resume.py --max-steps 8 --out DIR                     # uninterrupted
 mpirun -np 2 python tests/scripts/hvd_resume.py --max-steps 4 --save CKPT --out DIR1        # first half
 mpirun -np 2 python tests/scripts/hvd_resume.py --max-steps 8 --resume CKPT --out DIR2      # resumed
+mpirun -np 2 python tests/scripts/hvd_resume.py --max-steps 8 --resume CKPT --drop-entry --out DIR3
 
 An epoch is exactly ``STEPS_PER_EPOCH`` steps over a fixed, unshuffled per-rank list of batches (no
 DistributedSampler), so a checkpoint taken at a multiple of it resumes with the same data order.
 ``--save`` writes ``trainer.save_checkpoint`` (on every rank, as ``ModelCheckpoint`` does) after ``fit``;
 ``--save-every N`` adds a ``ModelCheckpoint`` saving ``DIR/epoch=E-step=S.ckpt`` every N steps during ``fit``.
-Every rank saves its weights (``rank{r}.pt``/``rank{r}.json``) and its optimizer's state
-(``rank{r}_opt.pt``); the json also lists the warnings ``fit`` raised.
+``--drop-entry`` resumes from a copy of CKPT without HorovodAdasum's per-rank entry (a checkpoint
+written before it kept one). Every rank saves its weights (``rank{r}.pt``/``rank{r}.json``) and its
+optimizer's state (``rank{r}_opt.pt``); the json also lists the warnings ``fit`` raised.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, Subset
 
 import lightning_dist
 from lightning_dist import collectives
+from lightning_dist.strategies.horovod_adasum import CHECKPOINT_KEY
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -33,7 +36,9 @@ STEPS_PER_EPOCH = 4
 
 
 class FixedOrder(TinyCausalLM):
-    seen_batches: list[Any] = []
+    def __init__(self, config: WorkloadConfig) -> None:
+        super().__init__(config)
+        self.seen_batches: list[Any] = []
 
     def train_dataloader(self) -> DataLoader:
         data = super().train_dataloader().dataset
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save", default=None)
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None)
+    p.add_argument("--drop-entry", action="store_true")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -79,9 +85,15 @@ def main(argv: list[str] | None = None) -> None:
             else {}
         ),
     )
+    resume = a.resume
+    if resume and a.drop_entry:
+        loaded = torch.load(resume, weights_only=False)
+        del loaded[CHECKPOINT_KEY]
+        resume = f"{resume}.dropped{os.environ.get('OMPI_COMM_WORLD_RANK', '0')}"  # mpirun's rank
+        torch.save(loaded, resume)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, ckpt_path=a.resume)
+        trainer.fit(model, ckpt_path=resume)
     if a.save:
         trainer.save_checkpoint(a.save)
     optimizer = trainer.optimizers[0]
