@@ -16,10 +16,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
-MPIRUN_TWO_RANKS = ("mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                    "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS")  # fmt: skip
-"""``mpirun`` of two ranks on this machine (root allowed, not bound to cores), passing ``child_env``'s
-PYTHONPATH and OMP_NUM_THREADS on; the command to run follows."""
+
+
+def mpirun_ranks(np: int) -> tuple[str, ...]:
+    """``mpirun`` of ``np`` ranks on this machine (root allowed, oversubscribed, not bound to cores),
+    passing ``child_env``'s PYTHONPATH and OMP_NUM_THREADS on; the command to run follows."""
+    return ("mpirun", "-np", str(np), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+            "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS")  # fmt: skip
+
+
+MPIRUN_TWO_RANKS = mpirun_ranks(2)
 TEST_TIMEOUT: float | None = None
 """The running test's pytest-timeout in seconds, set by tests/conftest.py (None: no timer armed)."""
 

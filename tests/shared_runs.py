@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_in_sequence
+from helpers import MPIRUN_TWO_RANKS, run_in_sequence
 
 BUDGET = 150
 """Seconds for one group's launch (the largest, torchrun's ten Elastic runs, about 60 s on 2 shared
@@ -37,6 +37,8 @@ POPEN: dict[str, list[str]] = {
     # test_horovod_strategy: Lightning's "ddp" with clipping, and at twice the learning rate
     "ddp_clip": ["ddp_run.py", "--strategy", "ddp", "--clip", "0.05", "--max-steps", "6"],
     "ddp_lr_x2": ["ddp_run.py", "--strategy", "ddp", "--lr", "0.006", "--max-steps", "12"],
+    # test_slurm: the requeued job's run, uninterrupted and without SLURM
+    "slurm_requeue": ["slurm_requeue.py"],
     # test_netns, test_slurm_two_nodes: the runs across nodes, on one host
     "netns_DDP": ["netns_train.py", "--strategy", "DDP", "--devices", "2"],
     "netns_powersgd": ["netns_train.py", "--strategy", "powersgd", "--devices", "2"],
@@ -83,8 +85,6 @@ MPIRUN: dict[str, list[str]] = {
 MPIRUN_FILES = {"hvd_metrics.json": ["metric_run.py", "--strategy", "horovod", "--devices", "1"]}
 """test_horovod_strategy's metrics probe under Horovod."""
 
-MPIRUN_CMD = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-              "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", sys.executable]  # fmt: skip
 TORCHRUN_CMD = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "--max-restarts=0"]  # fmt: skip
 
@@ -113,4 +113,4 @@ def mpirun(root: Path) -> dict[str, Path]:
     pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
     if shutil.which("mpirun") is None:
         pytest.skip("mpirun not found (apt-get install openmpi-bin)")
-    return launch(root, MPIRUN, MPIRUN_FILES, MPIRUN_CMD)
+    return launch(root, MPIRUN, MPIRUN_FILES, [*MPIRUN_TWO_RANKS, sys.executable])

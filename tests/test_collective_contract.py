@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_in_sequence
-from test_horovod_strategy import ROOT_FLAGS
+from helpers import MPIRUN_TWO_RANKS, run_in_sequence
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SCRIPT = "collective_contract.py"
@@ -43,7 +42,7 @@ def launch(root: Path, strategies: list[str], how: str) -> dict[str, list[dict[s
         if shutil.which("mpirun") is None:
             pytest.skip("mpirun not found (apt-get install openmpi-bin)")
         pytest.importorskip("horovod.torch", reason="Horovod not installed (lightning-dist install-horovod)")
-        launcher = ["mpirun", "-np", "2", *ROOT_FLAGS, "-x", "PYTHONPATH", sys.executable]
+        launcher = [*MPIRUN_TWO_RANKS, sys.executable]
     runs = [[SCRIPT, "--strategy", strategy, "--out", str(root / strategy)] for strategy in strategies]
     run_in_sequence(runs, BUDGET, launcher)
     return {s: [torch.load(root / s / f"rank{rank}.pt") for rank in (0, 1)] for s in strategies}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import shared_runs
 import torch
 from helpers import assert_same_weights, max_abs_diff
 from lightning.pytorch.strategies import StrategyRegistry
@@ -77,7 +78,7 @@ def test_defaults_layout_and_registered_name() -> None:
 
 # -- slow: torchrun ------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(2 * shared_runs.BUDGET)  # the shared fault-free runs may start here
 def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path, shared_torchrun: dict[str, Path]) -> None:
     """Rank 1 is killed after step 7; the commit of step 6 (inner step 2 of the second period: the
     ranks' weights differ) is the resume point; the run ends on the fault-free run's weights, bitwise
@@ -111,7 +112,7 @@ def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path, shared_torchrun: dic
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(2 * shared_runs.BUDGET)  # the shared fault-free runs may start here
 def test_resume_at_another_world_size_starts_from_the_last_sync(
     tmp_path: Path, shared_torchrun: dict[str, Path]
 ) -> None:

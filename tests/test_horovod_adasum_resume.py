@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_weights, load_rank, max_abs_diff, run_in_sequence
+from helpers import MPIRUN_TWO_RANKS, assert_same_weights, load_rank, max_abs_diff, run_in_sequence
 from torch import nn
 
 from lightning_dist.collectives import Communicator
@@ -147,23 +147,10 @@ def test_without_setup_the_gather_goes_through_the_strategy_backend() -> None:
 
 # -- 2 ranks under mpirun ---------------------------------------------------------------------------
 
-ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
-
 
 def mpirun_resume(*runs: list[str]) -> None:
     """``runs`` (hvd_resume.py's flags each), one after another in one ``mpirun -np 2`` launch."""
-    launcher = [
-        "mpirun",
-        "-np",
-        "2",
-        *ROOT_FLAGS,
-        "-x",
-        "PYTHONPATH",
-        "-x",
-        "OMP_NUM_THREADS",
-        sys.executable,
-    ]
-    run_in_sequence([["hvd_resume.py", *args] for args in runs], 200, launcher)
+    run_in_sequence([["hvd_resume.py", *args] for args in runs], 200, [*MPIRUN_TWO_RANKS, sys.executable])
 
 
 def optimizer_state(out: Path, rank: int) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from helpers import SCRIPTS, assert_same_weights, load_rank, max_abs_diff, run_command, run_in_sequence
@@ -21,7 +22,6 @@ hvd = pytest.importorskip("horovod.torch", reason="horovod not built: run script
 if shutil.which("mpirun") is None:
     pytest.skip("mpirun not found (apt-get install openmpi-bin)", allow_module_level=True)
 
-ROOT_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--bind-to", "none"]
 BUDGET = 200
 """Seconds for the horovodrun launch below (one Horovod run takes about 15 s on 2 shared cores): each
 test is marked `@pytest.mark.timeout(2 * BUDGET)`. The mpirun runs and the "ddp" references are
@@ -37,19 +37,7 @@ pytestmark.append(pytest.mark.timeout(2 * BUDGET))
 def mpirun(
     np: int, script: str, *args: str, check: bool = True, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        "mpirun",
-        "-np",
-        str(np),
-        *ROOT_FLAGS,
-        "-x",
-        "PYTHONPATH",
-        "-x",
-        "OMP_NUM_THREADS",
-        sys.executable,
-        script,
-        *args,
-    ]
+    cmd = [*helpers.mpirun_ranks(np), sys.executable, script, *args]
     proc = run_command(cmd, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -240,10 +240,6 @@ def test_notebook_runs_within_bounds(path: Path, tmp_path: Path, monkeypatch: py
         nb, timeout=CELL_TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     )
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on the first error
-    errors = [
-        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"
-    ]
-    assert not errors
     numbers = figures / f"{path.stem}.json"
     assert numbers.is_file(), f"{path.name} did not save its numbers to $LD_FIGURES_DIR/{numbers.name}"
     CHECKS[path.stem](json.loads(numbers.read_text()))

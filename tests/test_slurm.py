@@ -24,7 +24,6 @@ from helpers import (
     kill_tree,
     load_rank,
     run_command,
-    run_script,
 )
 
 START = ROOT / "scripts" / "start-local-slurm.sh"
@@ -241,31 +240,47 @@ def test_sbatch_horovod_adasum_job_matches_mpirun(
         assert_same_weights(w, w_ref, atol=0)
 
 
-def test_requeued_ddp_job_resumes_from_the_hpc_checkpoint(tmp_path: Path, slurm_conf: str) -> None:
-    """SIGUSR1 to every task (what `--signal=SIGUSR1@90` sends before the time limit): Lightning saves
-    hpc_ckpt_1.ckpt at step k and requeues the job; the requeued run starts at step k and ends on the
-    weights of an uninterrupted run (no SLURM)."""
-    ref = tmp_path / "uninterrupted"
-    run_script([str(SCRIPTS / "slurm_requeue.py"), "--out", str(ref)], timeout=BUDGET)
+def submit_slow_job(
+    tmp_path: Path, slurm_conf: str, strategy: str, script: str, *args: str
+) -> tuple[str, Path, Path, Path]:
+    """`SCRIPT ARGS --step-sleep 0.4 --out OUT` (a script of tests/scripts, its steps slowed so that the
+    test can signal the job between them) as a 1-node job of 2 tasks with ``strategy``: the job id,
+    the sbatch script, the job's output and OUT."""
     work = tmp_path / "job"
     out = work / "out"
-    deadline = time.monotonic() + JOB_BUDGET
-    job, _, output = submit_job(
-        work,
-        slurm_conf,
-        ["--nodes", "1", "--devices", "2", "--strategy", "ld_ddp"],
-        [sys.executable, str(SCRIPTS / "slurm_requeue.py"), "--out", str(out), "--step-sleep", "0.4"],
+    command = [sys.executable, str(SCRIPTS / script), *args, "--step-sleep", "0.4", "--out", str(out)]
+    job, path, output = submit_job(
+        work, slurm_conf, ["--nodes", "1", "--devices", "2", "--strategy", strategy], command
     )
+    return job, path, output, out
+
+
+def signal_then_wait_for_the_rerun(
+    slurm_conf: str, job: str, output: Path, deadline: float, *flags: str
+) -> None:
+    """`scancel --signal=USR1 FLAGS JOB`, then wait until the requeued job has run again and completed."""
+    signal = subprocess.run(["scancel", "--signal=USR1", *flags, job], capture_output=True, text=True,
+                            timeout=30, env=child_env(SLURM_CONF=slurm_conf))  # fmt: skip
+    assert signal.returncode == 0, signal.stderr
+    fields = wait_done(slurm_conf, job, output, deadline, restarts=1)
+    assert_completed(fields, output)
+
+
+def test_requeued_ddp_job_resumes_from_the_hpc_checkpoint(
+    tmp_path: Path, slurm_conf: str, shared_popen: dict[str, Path]
+) -> None:
+    """SIGUSR1 to every task (what `--signal=SIGUSR1@90` sends before the time limit): Lightning saves
+    hpc_ckpt_1.ckpt at step k and requeues the job; the requeued run starts at step k and ends on the
+    weights of an uninterrupted run (no SLURM: tests/shared_runs.py's "slurm_requeue")."""
+    ref = shared_popen["slurm_requeue"]
+    deadline = time.monotonic() + JOB_BUDGET
+    job, _, output, out = submit_slow_job(tmp_path, slurm_conf, "ld_ddp", "slurm_requeue.py")
     progress = out / "progress"
     with cancelled(slurm_conf, [job]):
         wait_for(
             "step 4", lambda: progress.exists() and int(progress.read_text() or 0) >= 4, deadline, output
         )
-        signal = subprocess.run(["scancel", "--signal=USR1", job], capture_output=True, text=True, timeout=30,
-                                env=child_env(SLURM_CONF=slurm_conf))  # fmt: skip
-        assert signal.returncode == 0, signal.stderr
-        fields = wait_done(slurm_conf, job, output, deadline, restarts=1)
-        assert_completed(fields, output)
+        signal_then_wait_for_the_rerun(slurm_conf, job, output, deadline)
     log = output.read_text()
     assert "Requeued SLURM job" in log and "run 1 on" in log, log[-4000:]
     checkpoint = torch.load(out / "hpc_ckpt_1.ckpt", weights_only=False, map_location="cpu")
@@ -286,28 +301,17 @@ def test_elastic_job_requeued_resumes_from_its_commit(
     """One torchrun per node from the generated script; SIGUSR1 to the batch shell (`B:` signal) makes
     it requeue the job, and the requeued run resumes from Elastic's last commit and ends on the weights
     of the same run under `torchrun --standalone` (no SLURM; tests/shared_runs.py's "average")."""
-    args = ["--commit-every", "3", "--max-steps", "12"]
     ref = shared_torchrun["average"]
-    work = tmp_path / "job"
-    out = work / "out"
     deadline = time.monotonic() + JOB_BUDGET
-    job, script, output = submit_job(
-        work,
-        slurm_conf,
-        ["--nodes", "1", "--devices", "2", "--strategy", "elastic"],
-        [sys.executable, str(SCRIPTS / "elastic_run.py"), "--out", str(out), *args, "--step-sleep", "0.4"],
-    )
+    args = ["--commit-every", "3", "--max-steps", "12"]
+    job, script, output, out = submit_slow_job(tmp_path, slurm_conf, "elastic", "elastic_run.py", *args)
     text = script.read_text()
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "--rdzv-backend=c10d" in text
     commits = out / "commits"
     with cancelled(slurm_conf, [job]):
         wait_for("Elastic's first commit", lambda: commits.exists() and any(commits.glob("commit-*.pt")),
                  deadline, output)  # fmt: skip
-        signal = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True,
-                                timeout=30, env=child_env(SLURM_CONF=slurm_conf))  # fmt: skip
-        assert signal.returncode == 0, signal.stderr
-        fields = wait_done(slurm_conf, job, output, deadline, restarts=1)
-        assert_completed(fields, output)
+        signal_then_wait_for_the_rerun(slurm_conf, job, output, deadline, "--batch")
     log = output.read_text()
     assert "requeueing job" in log and "run 1 on" in log, log[-4000:]
     w, info = load_rank(out, 0)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 
 import lightning as L
-import torch
-from rank_io import save_fitted
+from rank_io import parse, save_fitted
 
 import lightning_dist
 from lightning_dist import collectives
@@ -28,9 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clip", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     strategy: object = a.strategy
     if a.strategy == "DDP":
         strategy = lightning_dist.DDP(start_method=a.start_method or "auto")

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from rank_io import save_fitted
+from rank_io import cpu_trainer, parse, save_fitted
+from run_options import without_entry
 from torch.utils.data import DataLoader, Subset
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.strategies.horovod_adasum import CHECKPOINT_KEY
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 STEPS_PER_EPOCH = 4
 
@@ -60,19 +60,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--drop-entry", action="store_true")
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     torch.manual_seed(7)
     model = FixedOrder(WorkloadConfig.tiny(seed=7))
     strategy = lightning_dist.HorovodAdasum()
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=a.max_steps,
-        limit_val_batches=0,
-        deterministic=True,
+    trainer = cpu_trainer(
+        1,
+        strategy,
+        a.max_steps,
         use_distributed_sampler=False,
         **(
             {
@@ -87,10 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     resume = a.resume
     if resume and a.drop_entry:
-        loaded = torch.load(resume, weights_only=False)
-        del loaded[CHECKPOINT_KEY]
-        resume = f"{resume}.dropped{os.environ.get('OMPI_COMM_WORLD_RANK', '0')}"  # mpirun's rank
-        torch.save(loaded, resume)
+        resume = without_entry(resume, CHECKPOINT_KEY, int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, ckpt_path=resume)

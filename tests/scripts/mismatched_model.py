@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from rank_io import parse
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -82,9 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--mismatch", choices=["shape", "extra"], default="shape")
     p.add_argument("--wait", type=float, default=30.0)
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     os.makedirs(a.out, exist_ok=True)
     L.seed_everything(7, verbose=False)
     strategy, devices = make_strategy(a.strategy, a.out)

@@ -12,8 +12,7 @@ import argparse
 import os
 
 import lightning as L
-import torch
-from rank_io import save_fitted
+from rank_io import parse, save_fitted
 
 import lightning_dist
 from lightning_dist import collectives
@@ -46,9 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=6)
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
     trainer = quiet_trainer(

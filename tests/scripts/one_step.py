@@ -13,6 +13,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from rank_io import parse
 from torch import Tensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
@@ -45,9 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimizer", choices=["sgd", "adam"], required=True)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     L.seed_everything(7, verbose=False)
     model = OneStep(a.optimizer, a.lr)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}

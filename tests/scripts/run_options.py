@@ -24,9 +24,14 @@ def resume_path(run: dict[str, Any], drop: str, key: str, rank: int) -> Optional
     """``run["resume"]``, or where ``run[drop]`` is set, this rank's copy of that checkpoint without
     its entry ``key`` (which it must hold)."""
     ckpt = run.get("resume")
-    if ckpt and run.get(drop):
-        loaded = torch.load(ckpt, weights_only=False)
-        del loaded[key]
-        ckpt = f"{ckpt}.dropped{rank}"
-        torch.save(loaded, ckpt)
-    return ckpt
+    return without_entry(ckpt, key, rank) if ckpt and run.get(drop) else ckpt
+
+
+def without_entry(ckpt: str, key: str, rank: int) -> str:
+    """A copy of the checkpoint ``ckpt`` without its entry ``key`` (as another strategy, or an older
+    version, writes it), for ``rank`` to resume from; its path."""
+    loaded = torch.load(ckpt, weights_only=False)
+    del loaded[key]
+    copy = f"{ckpt}.dropped{rank}"
+    torch.save(loaded, copy)
+    return copy
