@@ -7,15 +7,18 @@ with the final weights of the same run on one host, and with the gradients cross
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers import SCRIPTS, assert_same_weights, load_rank, run_command
+from test_slurm import DONE
 
 from lightning_dist.cluster import slurm_nodes
 from lightning_dist.cluster.slurm_nodes import SlurmNodes
@@ -131,8 +134,8 @@ def test_ddp_across_two_slurm_nodes_equals_one_host(
 
 
 def run_sbatch(cluster: SlurmNodes, work: Path, options: list[str], command: list[str], expected: str) -> str:
-    """Write the job with `lightning-dist slurm OPTIONS -- COMMAND`, run it with `sbatch --wait` on n1
-    and return its output."""
+    """Write the job with `lightning-dist slurm OPTIONS -- COMMAND`, submit it with `sbatch` on n1, wait
+    until it has completed and return its output."""
     work.mkdir(parents=True)
     script, output = work / "job.sbatch", work / "slurm.out"
     cli = [
@@ -146,12 +149,28 @@ def run_sbatch(cluster: SlurmNodes, work: Path, options: list[str], command: lis
     ]
     ok(on_n1(cluster, [*cli, "--output", str(output), "--chdir", str(work), "--", *command], 60))
     assert expected in script.read_text(), script.read_text()
-    proc = on_n1(cluster, ["sbatch", "--wait", str(script)])
+    job = ok(on_n1(cluster, ["sbatch", "--parsable", str(script)], 60)).stdout.strip().split(";")[0]
+    try:
+        fields = wait_done(cluster, job, time.monotonic() + BUDGET)
+    finally:
+        on_n1(cluster, ["scancel", job], 30)  # a no-op once it is done
     log = output.read_text() if output.exists() else "(no output)"
-    assert proc.returncode == 0, (
-        f"sbatch --wait exited {proc.returncode}\n{proc.stdout}{proc.stderr}\n{log[-6000:]}"
+    assert fields.get("JobState") == "COMPLETED" and fields.get("ExitCode") == "0:0", (
+        f"{fields}\n{log[-6000:]}"
     )
     return log
+
+
+def wait_done(cluster: SlurmNodes, job: str, deadline: float) -> dict[str, str]:
+    """`scontrol show job` of ``job`` (JobState, ExitCode, ...) once it has finished, polled every
+    0.5 s: `sbatch --wait` polls at 2, 8, then 32 s, which adds up to half a minute to a 10 s job."""
+    while True:
+        proc = on_n1(cluster, ["scontrol", "show", "job", "-o", job], 30)
+        fields = dict(re.findall(r"(\w+)=(\S*)", proc.stdout)) if proc.returncode == 0 else {}
+        if fields.get("JobState") in DONE:
+            return fields
+        assert time.monotonic() < deadline, f"job {job} not done in time: {fields or proc.stderr}"
+        time.sleep(0.5)
 
 
 def needs_horovod_pmix(cluster: SlurmNodes) -> None:
