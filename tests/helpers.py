@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -26,6 +27,8 @@ def mpirun_ranks(np: int) -> tuple[str, ...]:
 
 
 MPIRUN_TWO_RANKS = mpirun_ranks(2)
+K = TypeVar("K")
+V = TypeVar("V")
 TEST_TIMEOUT: float | None = None
 """The running test's pytest-timeout in seconds, set by tests/conftest.py (None: no timer armed)."""
 
@@ -126,6 +129,27 @@ def spawned(cmd: list[str], log: Path, **env: str) -> Any:
     finally:
         kill_tree(proc.pid)
         proc.wait()
+
+
+def concurrently(calls: dict[K, Callable[[], V]]) -> dict[K, V]:
+    """Each of ``calls`` in a thread of its own, all at once (launches that mostly wait: on a timeout,
+    a sleep, a restart); their results by key, once all have returned (the first error re-raised)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+    return {key: future.result() for key, future in futures.items()}
+
+
+def selected_cases(request: Any, test: Callable[..., Any], *params: str) -> list[tuple[Any, ...]]:
+    """The values of ``params`` of each case of the parametrized ``test`` that this session runs (a
+    module fixture then prepares only those), in collection order."""
+    cases = []
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) == test.__name__ and callspec is not None:
+            case = tuple(callspec.params[name] for name in params)
+            if case not in cases:
+                cases.append(case)
+    return cases
 
 
 def run_script(args: list[str], timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:

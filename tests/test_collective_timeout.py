@@ -18,13 +18,14 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import SCRIPTS, spawned
+from helpers import SCRIPTS, concurrently, selected_cases, spawned
 
 from lightning_dist.collectives import (
     CollectiveTimeout,
@@ -369,21 +370,34 @@ STOPS = {
 }
 
 
+CASES = [
+    ("torchrun", "backward"),  # torchrun once: its agent's fixed grace makes each case 30 s longer
+    ("lightning", "training_step"),
+    ("lightning", "backward"),
+    ("lightning", "batch_start"),
+]
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
+    """``_launch`` of every case this session runs, all at once: the launches spend most of their
+    time waiting (the timeout, torchrun's grace), so together they take about as long as the longest
+    alone, each within ``BUDGET_S``. (launcher, stop_at) -> (its out folder, ``_launch``'s result)."""
+    test = test_a_stopped_rank_fails_the_others_with_the_collective_and_the_timeout
+    root = tmp_path_factory.mktemp("stopped")
+    outs = {case: root / "-".join(case) for case in selected_cases(request, test, "launcher", "stop_at")}
+    runs = concurrently({case: partial(_launch, out, *case) for case, out in outs.items()})
+    return {case: (outs[case], runs[case]) for case in outs}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("launcher", "stop_at"),
-    [
-        ("torchrun", "backward"),  # torchrun once: its agent's fixed grace makes each case 30 s longer
-        ("lightning", "training_step"),
-        ("lightning", "backward"),
-        ("lightning", "batch_start"),
-    ],
-)
+@pytest.mark.parametrize(("launcher", "stop_at"), CASES)
 def test_a_stopped_rank_fails_the_others_with_the_collective_and_the_timeout(
-    tmp_path: Path, launcher: str, stop_at: str
+    stopped_runs: dict[tuple[str, str], tuple[Path, dict[str, Any]]], launcher: str, stop_at: str
 ) -> None:
-    out = tmp_path / "out"
-    run = _launch(out, launcher, stop_at)
+    out, run = stopped_runs[launcher, stop_at]
     log = run["log"][-5000:]
     assert sorted(run["pids"]) == [0, 1], log
     assert (out / "stopped.json").exists(), f"rank 1 never reached its stop ({stop_at}):\n{log}"
