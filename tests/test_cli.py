@@ -19,8 +19,8 @@ from lightning_dist.workload import WorkloadConfig
 
 LAUNCHERS = ("mpirun", "horovodrun", "torchrun", "srun", "sbatch")
 DEMO_BUDGET = 300
-"""Seconds for `lightning-dist demo` on the tiny workload (9 two-process trainings, about 100 s on 2
-shared cores), at most half its test's timeout."""
+"""Seconds for `lightning-dist demo` on the tiny workload (9 two-process trainings in two launches:
+Lightning's 7 rows, then mpirun's 2; about 60 s on 2 shared cores), at most half its test's timeout."""
 TINY_WORKLOAD = {k: v for k, v in asdict(WorkloadConfig.tiny()).items() if k != "seed"}
 """WorkloadConfig.tiny()'s sizes (not its seed: the run's), passed to every row's training with
 `--workload`: the demo's own path with a few-second model (tests/test_examples.py trains the

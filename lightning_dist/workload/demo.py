@@ -1,5 +1,9 @@
 """The demo: train the embedded workload on 2 local processes with every strategy, print a table.
 
+The rows of one launcher (Lightning's, mpirun's) train one after another in one launch, so the
+processes' start-up and imports are paid once (``run_rows``); each row seeds itself and its strategy
+counts its own bytes, as in a launch of its own.
+
 As root (with iproute2) it adds a column: each strategy's median step time across 2 emulated nodes
 (``lightning_dist.cluster.netns.EmulatedCluster``: network namespaces joined by a veth pair capped
 with tc tbf, 100 Mbit/s by default), one process per node, Horovod rows by mpirun across the nodes.
@@ -7,6 +11,7 @@ Elsewhere it prints one line saying why that column is skipped."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -16,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 
@@ -94,11 +100,68 @@ def _read_result(out: str, returncode: int, tail: str) -> dict:
         return json.load(fh)["result"]
 
 
+def _out(workdir: str, run: DemoRun) -> str:
+    return os.path.join(workdir, f"{abs(hash(run.label))}.json")
+
+
 def run_one(run: DemoRun, steps: int, workdir: str, extra: list[str]) -> dict:
-    out = os.path.join(workdir, f"{abs(hash(run.label))}.json")
+    """``run`` in a launch of its own: its summary, or ``{"error": ...}``."""
+    out = _out(workdir, run)
     cmd = [*run.launcher, *_train_argv(run, steps, out, extra)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     return _read_result(out, proc.returncode, proc.stderr or proc.stdout)
+
+
+ROW_DONE = "[demo-row-done]"
+"""What a launch of several rows prints (rank 0) after each row it trained."""
+
+
+def run_rows(
+    runs: list[DemoRun], steps: int, workdir: str, extra: list[str], done: Callable[[DemoRun, dict], None]
+) -> None:
+    """``runs`` (one launcher) one after another in one launch (``python -m
+    lightning_dist.workload.demo ROWS``): the processes' start-up, imports and process group are paid
+    once, not once a row. ``done(run, result)`` as each row ends (its summary, or ``{"error": ...}``);
+    after a failed row the rows left start in a fresh launch."""
+    todo = list(runs)
+    while todo:
+        outs = [_out(workdir, run) for run in todo]
+        rows = [_train_argv(run, steps, out, extra)[3:] for run, out in zip(todo, outs)]
+        cmd = [*todo[0].launcher, sys.executable, "-m", "lightning_dist.workload.demo", json.dumps(rows)]
+        tail: collections.deque[str] = collections.deque(maxlen=200)
+        finished = 0
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(ROW_DONE) and finished < len(todo):
+                    done(todo[finished], _read_result(outs[finished], 0, ""))
+                    finished += 1
+                else:
+                    tail.append(line)
+        if finished < len(todo):  # this row failed, or the launch before it started
+            done(todo[finished], {"error": f"exit {proc.returncode}: {''.join(tail)[-2000:]}"})
+            finished += 1
+        todo = todo[finished:]
+
+
+def train_rows(rows: list[list[str]]) -> None:
+    """One launch of ``run_rows``: each row's training (``lightning_dist.workload.train``'s
+    arguments) in this process, one after another; rank 0 writes each row's summary to its
+    ``--json-out`` and prints ``ROW_DONE``."""
+    from lightning_dist import collectives
+    from lightning_dist.workload.train import parse_args, train
+
+    for argv in rows:
+        run, json_out = parse_args(argv)
+        result = train(run)
+        if result["rank"] == 0:
+            assert json_out is not None, "run_rows gives every row --json-out"
+            with open(json_out, "w") as fh:
+                json.dump({"run": asdict(run), "result": result}, fh)
+            print(ROW_DONE, flush=True)
+    collectives.shutdown()
 
 
 def run_on_cluster(
@@ -226,24 +289,33 @@ def main(steps: int = 100, extra: Optional[list[str]] = None, cap_mbit: float = 
     extra = extra or []
     if not cap_mbit >= 0:
         raise ValueError(f"cap_mbit={cap_mbit!r} must be >= 0 (0: no capped-link column)")
-    rows: list[tuple[str, dict]] = []
-    failed = False
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as workdir:
         runs = [(run, _available(run)) for run in demo_runs()]
-        progress = Progress(sum(1 for _, reason in runs if not reason))
         for run, reason in runs:
             if reason:
                 print(f"[demo] {run.label}: {reason}", flush=True)
-                rows.append((run.label, {"skipped": reason}))
-                continue
-            print(f"[demo] {run.label}: training {steps} steps on 2 processes ...", flush=True)
-            progress.start()
-            result = run_one(run, steps, workdir, extra)
+        trainable = [run for run, reason in runs if not reason]
+        progress = Progress(len(trainable))
+
+        def done(run: DemoRun, result: dict) -> None:
             if "error" in result:
-                failed = True
                 print(f"[demo] {run.label} FAILED\n{result['error']}", flush=True)
             progress.finish(run.label, "FAILED" if "error" in result else "done")
-            rows.append((run.label, result))
+            progress.start()
+            results[run.label] = result
+
+        for launcher in dict.fromkeys(tuple(run.launcher) for run in trainable):
+            group = [run for run in trainable if tuple(run.launcher) == launcher]
+            print(
+                f"[demo] training {steps} steps on 2 processes, one row after another in one launch: "
+                + ", ".join(run.label for run in group),
+                flush=True,
+            )
+            progress.start()
+            run_rows(group, steps, workdir, extra, done)
+        rows = [(run.label, results.get(run.label, {"skipped": reason})) for run, reason in runs]
+        failed = any("error" in result for result in results.values())
         capped = None
         cap_steps = min(steps, CAPPED_STEPS)
         if cap_mbit > 0:
@@ -265,3 +337,7 @@ def main(steps: int = 100, extra: Optional[list[str]] = None, cap_mbit: float = 
             "(tc tbf); benchmarks/bench_cluster.py measures every cap and the references."
         )
     return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    train_rows(json.loads(sys.argv[1]))
