@@ -24,6 +24,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import convert_to_tensors
+from script_setup import parse
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -127,8 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", required=True, choices=sorted(STRATEGIES))
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     # one process per mpirun rank; torchrun's processes per node; else Lightning starts 2
     devices = 1 if "OMPI_COMM_WORLD_SIZE" in os.environ else int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
     model = Contract(pack=a.strategy != "ddp")

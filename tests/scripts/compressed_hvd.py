@@ -9,15 +9,14 @@ import argparse
 from typing import Any
 
 import lightning as L
-import torch
 from rank_io import save_fitted
+from script_setup import cpu_trainer, parse
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.compression import make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,8 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compression", default="none", help="a name, or 'instance:<name>' for a Compressor")
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     compression: Any = a.compression
     if compression.startswith("instance:"):
         compression = make_compressor(compression.split(":", 1)[1])
@@ -34,15 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=8))
     monitor = CommMonitor(log=False)
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=a.max_steps,
-        limit_val_batches=0,
-        deterministic=True,
-        callbacks=[monitor],
-    )
+    trainer = cpu_trainer(1, strategy, a.max_steps, callbacks=[monitor])
     trainer.fit(model)
     save_fitted(
         a.out, trainer, model, losses=monitor.losses, stats=trainer.strategy.communicator.stats.snapshot()

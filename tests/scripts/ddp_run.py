@@ -8,14 +8,13 @@ from __future__ import annotations
 import argparse
 
 import lightning as L
-import torch
 from rank_io import save_fitted
+from script_setup import cpu_trainer, parse
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.callbacks import CommMonitor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -29,22 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     strategy: object = a.strategy
     if a.strategy == "DDP":
         strategy = lightning_dist.DDP(start_method=a.start_method or "auto")
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7, batch_size=a.batch_size, lr=a.lr))
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=a.devices,
-        strategy=strategy,
-        max_steps=a.max_steps,
-        accumulate_grad_batches=a.accumulate,
-        gradient_clip_val=a.clip,
-        limit_val_batches=0,
-        deterministic=True,
+    trainer = cpu_trainer(
+        a.devices, strategy, a.max_steps, accumulate_grad_batches=a.accumulate, gradient_clip_val=a.clip
     )
     tracker = CommMonitor(log=False)
     trainer.callbacks.append(tracker)

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from rank_io import save_fitted
+from script_setup import cpu_trainer, parse
 from torch.utils.data import DataLoader, Subset
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 STEPS_PER_EPOCH = 4
 
@@ -55,18 +55,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--resume", default=None)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     torch.manual_seed(7)
     model = FixedOrder(WorkloadConfig.tiny(seed=7))
     strategy = lightning_dist.HorovodAdasum()
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=a.max_steps,
-        limit_val_batches=0,
-        deterministic=True,
+    trainer = cpu_trainer(
+        1,
+        strategy,
+        a.max_steps,
         use_distributed_sampler=False,
         **(
             {

@@ -12,6 +12,7 @@ import argparse
 import lightning as L
 import torch
 from rank_io import RecordBatches, save_fitted
+from script_setup import parse
 
 import lightning_dist
 from lightning_dist import collectives
@@ -32,8 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--precision", default="32-true")
     p.add_argument("--record-batches", action="store_true")
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     lr_scale = a.lr_scale if a.lr_scale == "auto" else float(a.lr_scale)
     strategy = {
         "horovod": lambda: lightning_dist.Horovod(lr_scale=lr_scale),

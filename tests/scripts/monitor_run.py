@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.loggers import CSVLogger
+from script_setup import parse
 
 import lightning_dist
 from lightning_dist import collectives
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     strategy = STRATEGIES[a.strategy]()
     L.seed_everything(7, verbose=False)
     config = WorkloadConfig.tiny(seed=7)

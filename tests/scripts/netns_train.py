@@ -12,13 +12,12 @@ import argparse
 import os
 
 import lightning as L
-import torch
 from rank_io import save_fitted
+from script_setup import cpu_trainer, parse
 
 import lightning_dist
 from lightning_dist import collectives
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 
 def received_bytes(ifname: str | None) -> int | None:
@@ -47,19 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     L.seed_everything(7, verbose=False)
     model = TinyCausalLM(WorkloadConfig.tiny(seed=7))
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=a.devices,
-        num_nodes=a.num_nodes,
-        strategy=STRATEGIES[a.strategy](),
-        max_steps=a.max_steps,
-        limit_val_batches=0,
-        deterministic=True,
-    )
+    trainer = cpu_trainer(a.devices, STRATEGIES[a.strategy](), a.max_steps, num_nodes=a.num_nodes)
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     before = received_bytes(ifname)
     trainer.fit(model)

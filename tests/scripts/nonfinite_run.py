@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 from rank_io import save_fitted
+from script_setup import parse
 
 import lightning_dist
 from lightning_dist import collectives
@@ -49,8 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nan-step", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=6)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     strategy: Any
     if a.strategy == "ddp":
         strategy = lightning_dist.DDP(skip_nonfinite=True)

@@ -13,12 +13,12 @@ from typing import Any
 
 import lightning as L
 import torch
+from script_setup import cpu_trainer, parse
 from torch import Tensor
 
 import lightning_dist  # noqa: F401  (registers the strategy names)
 from lightning_dist import collectives
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 
 class OneStep(TinyCausalLM):
@@ -46,19 +46,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     L.seed_everything(7, verbose=False)
     model = OneStep(a.optimizer, a.lr)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=a.devices,
-        strategy=a.strategy,
-        max_steps=1,
-        limit_val_batches=0,
-        deterministic=True,
-    )
+    trainer = cpu_trainer(a.devices, a.strategy, max_steps=1)
     trainer.fit(model)
     os.makedirs(a.out, exist_ok=True)
     final = {k: v.detach().cpu() for k, v in model.state_dict().items()}

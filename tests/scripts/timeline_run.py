@@ -14,8 +14,8 @@ import argparse
 import os
 
 import lightning as L
-import torch
 from rank_io import save_fitted
+from script_setup import parse
 
 import lightning_dist
 from lightning_dist import collectives
@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
+    a = parse(p, argv)
     strategy = {
         "ddp": lambda: lightning_dist.DDP(),
         "powersgd": lambda: lightning_dist.Compressed("powersgd"),
