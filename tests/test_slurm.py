@@ -142,6 +142,19 @@ def submit_job(work: Path, slurm_conf: str, options: list[str], command: list[st
     return found.group(1), script, output
 
 
+def submit_slowed(
+    work: Path, slurm_conf: str, strategy: str, script: str, *args: str
+) -> tuple[str, Path, Path]:
+    """``submit_job`` of 1 node x 2 devices of ``strategy`` running ``scripts/<script> --out <work>/out ARGS``
+    at 0.4 s a step, so that a test can signal it mid-run."""
+    return submit_job(
+        work,
+        slurm_conf,
+        ["--nodes", "1", "--devices", "2", "--strategy", strategy],
+        [sys.executable, str(SCRIPTS / script), "--out", str(work / "out"), *args, "--step-sleep", "0.4"],
+    )
+
+
 def wait_for(what: str, check: Callable[[], bool], deadline: float, output: Path, every: float = 0.2) -> None:
     while not check():
         if time.monotonic() > deadline:
@@ -250,12 +263,7 @@ def test_requeued_ddp_job_resumes_from_the_hpc_checkpoint(tmp_path: Path, slurm_
     work = tmp_path / "job"
     out = work / "out"
     deadline = time.monotonic() + JOB_BUDGET
-    job, _, output = submit_job(
-        work,
-        slurm_conf,
-        ["--nodes", "1", "--devices", "2", "--strategy", "ld_ddp"],
-        [sys.executable, str(SCRIPTS / "slurm_requeue.py"), "--out", str(out), "--step-sleep", "0.4"],
-    )
+    job, _, output = submit_slowed(work, slurm_conf, "ld_ddp", "slurm_requeue.py")
     progress = out / "progress"
     with cancelled(slurm_conf, [job]):
         wait_for(
@@ -291,12 +299,7 @@ def test_elastic_job_requeued_resumes_from_its_commit(
     work = tmp_path / "job"
     out = work / "out"
     deadline = time.monotonic() + JOB_BUDGET
-    job, script, output = submit_job(
-        work,
-        slurm_conf,
-        ["--nodes", "1", "--devices", "2", "--strategy", "elastic"],
-        [sys.executable, str(SCRIPTS / "elastic_run.py"), "--out", str(out), *args, "--step-sleep", "0.4"],
-    )
+    job, script, output = submit_slowed(work, slurm_conf, "elastic", "elastic_run.py", *args)
     text = script.read_text()
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "--rdzv-backend=c10d" in text
     commits = out / "commits"

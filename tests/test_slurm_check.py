@@ -44,6 +44,11 @@ def srun_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def step_on_nodes(nodes: str, **extra: str) -> dict[str, str]:
+    """``srun_env`` of a job step across ``nodes`` nodes (SLURM_NNODES, SLURM_STEP_NUM_NODES)."""
+    return srun_env(SLURM_NNODES=nodes, SLURM_STEP_NUM_NODES=nodes, **extra)
+
+
 def without(env: dict[str, str], *names: str) -> dict[str, str]:
     return {k: v for k, v in env.items() if k not in names}
 
@@ -62,13 +67,7 @@ def test_matching_job_and_no_slurm_pass() -> None:
         2,
         4,
         "DDP",
-        env=srun_env(
-            SLURM_NTASKS="8",
-            SLURM_NTASKS_PER_NODE="4",
-            SLURM_NNODES="2",
-            SLURM_STEP_NUM_NODES="2",
-            SLURM_JOB_NUM_NODES="2",
-        ),
+        env=step_on_nodes("2", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NUM_NODES="2"),
     )
     check_slurm_matches(1, 8, "DDP", env={})  # not a SLURM job: nothing to compare
     check_slurm_matches(1, 8, "DDP", env=srun_env(TORCHELASTIC_RUN_ID="x"))  # torchrun decides the world
@@ -97,7 +96,7 @@ def test_ntasks_per_node_differs_from_devices() -> None:
 
 
 def test_nodes_differ_from_num_nodes() -> None:
-    env = srun_env(SLURM_NTASKS="4", SLURM_NNODES="2", SLURM_STEP_NUM_NODES="2", SLURM_JOB_NUM_NODES="2")
+    env = step_on_nodes("2", SLURM_NTASKS="4", SLURM_JOB_NUM_NODES="2")
     msg = mismatch(env=env, devices=2, num_nodes=1)
     assert "the job step runs on 2 node(s) (SLURM_NNODES) but num_nodes=1" in msg
     assert "set num_nodes=2 in the Trainer, or request --nodes=1" in msg
@@ -105,13 +104,7 @@ def test_nodes_differ_from_num_nodes() -> None:
 
 def test_ntasks_differs_from_devices_times_nodes() -> None:
     # srun -N 2 -n 3: tasks per node "2,1"; SLURM_NTASKS_PER_NODE not set but -n given
-    env = srun_env(
-        SLURM_NTASKS="3",
-        SLURM_NTASKS_PER_NODE="2",
-        SLURM_TASKS_PER_NODE="2,1",
-        SLURM_NNODES="2",
-        SLURM_STEP_NUM_NODES="2",
-    )
+    env = step_on_nodes("2", SLURM_NTASKS="3", SLURM_NTASKS_PER_NODE="2", SLURM_TASKS_PER_NODE="2,1")
     msg = mismatch(env=env, devices=2, num_nodes=2)
     assert "SLURM_NTASKS=3 (tasks per node: 2,1) but devices x num_nodes = 2 x 2 = 4" in msg
     # one task for two devices
@@ -155,7 +148,7 @@ def test_gpus_isolated_per_task() -> None:
 
 
 def test_every_problem_is_listed() -> None:
-    env = srun_env(SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4", SLURM_NNODES="2", SLURM_STEP_NUM_NODES="2")
+    env = step_on_nodes("2", SLURM_NTASKS="8", SLURM_NTASKS_PER_NODE="4")
     msg = mismatch(env=env, devices=2, num_nodes=1, start_method="spawn")
     assert msg.count("\n  - ") == 3
 
