@@ -135,9 +135,10 @@ class ElasticMixin(_MixinBase):
     """Commits, the elastic sampler and resume without ``ckpt_path``, for a ``DDP``-based strategy.
 
     A strategy lists it first (``class Elastic(ElasticMixin, Compressed)``) over a strategy with
-    ``RankStateMixin`` and calls ``_init_elastic(ElasticOptions(...))`` in its ``__init__``; the per-rank state that
-    strategy saves in its checkpoints (``rank_state``, ``rank_state_entries``) goes into every commit,
-    gathered in the same collective as the ranks' RNG states. Options: see ``Elastic``.
+    ``RankStateMixin`` and calls ``_init_elastic`` with its ``ElasticOptions`` in its ``__init__``; the
+    per-rank state that strategy saves in its checkpoints (``rank_state``, ``rank_state_entries``)
+    goes into every commit, gathered in the same collective as the ranks' RNG states. Options: see
+    ``Elastic``.
     """
 
     def _init_elastic(self, options: ElasticOptions) -> None:
