@@ -582,6 +582,28 @@ def _positive_int(text: str) -> int:
     return value
 
 
+ENV_OPTIONS: tuple[tuple[str, str, Optional[str], str, str], ...] = (
+    (
+        "--cuda-cc-list",
+        "HOROVOD_BUILD_CUDA_CC_LIST",
+        None,
+        "CUDA compute capabilities to build for, e.g. 90 or 80,90 (CUDA builds)",
+        "the visible GPU's",
+    ),
+    ("--horovod-version", "HOROVOD_VERSION", HOROVOD_VERSION, "Horovod release to build", "%(default)s"),
+    (
+        "--sdist",
+        "HOROVOD_SDIST",
+        None,
+        "build from this local sdist (offline) instead of horovod==VERSION from PyPI",
+        "PyPI",
+    ),
+    ("--cxx", "CXX", "g++", "the C++ compiler the C++17 wrapper calls", "%(default)s"),
+)
+"""The options whose default is an environment variable when it is set (not empty): option, variable,
+default without it, help, and what the help calls that default."""
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``install-horovod`` subcommand and its options to ``subparsers``."""
     p = subparsers.add_parser(
@@ -605,12 +627,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default="auto",
         help="build Horovod's NCCL GPU operations: auto (when torch sees a GPU), on, off; default %(default)s",
     )
-    p.add_argument(
-        "--cuda-cc-list",
-        default=os.environ.get("HOROVOD_BUILD_CUDA_CC_LIST") or None,
-        help="CUDA compute capabilities to build for, e.g. 90 or 80,90 (CUDA builds); "
-        "default $HOROVOD_BUILD_CUDA_CC_LIST, else the visible GPU's",
-    )
+    for option, env, fallback, text, otherwise in ENV_OPTIONS:
+        p.add_argument(
+            option, default=os.environ.get(env) or fallback, help=f"{text}; default ${env}, else {otherwise}"
+        )
     p.add_argument(
         "--without-mpi",
         action="store_true",
@@ -629,22 +649,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=default_cache_dir(),
         help="wheel cache, one folder per horovod/torch/cuda/mpi combination; default "
         "$LIGHTNING_DIST_WHEEL_CACHE, else ${XDG_CACHE_HOME:-~/.cache}/lightning_dist/wheels (%(default)s)",
-    )
-    p.add_argument(
-        "--horovod-version",
-        default=os.environ.get("HOROVOD_VERSION") or HOROVOD_VERSION,
-        help="Horovod release to build; default $HOROVOD_VERSION, else %(default)s",
-    )
-    p.add_argument(
-        "--sdist",
-        default=os.environ.get("HOROVOD_SDIST") or None,
-        help="build from this local sdist (offline) instead of horovod==VERSION from PyPI; "
-        "default $HOROVOD_SDIST, else PyPI",
-    )
-    p.add_argument(
-        "--cxx",
-        default=os.environ.get("CXX") or "g++",
-        help="the C++ compiler the C++17 wrapper calls; default $CXX, else %(default)s",
     )
     p.add_argument(
         "--dry-run",

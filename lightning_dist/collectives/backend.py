@@ -61,21 +61,6 @@ class Backend(ABC):
     @abstractmethod
     def world_size(self) -> int: ...
 
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node (default: its global rank, as if one node)."""
-        return self.rank
-
-    @property
-    def local_size(self) -> int:
-        """Processes on this node (default: all of them, as if one node)."""
-        return self.world_size
-
-    @property
-    def node_rank(self) -> int:
-        """This node's rank among the nodes (default: 0)."""
-        return 0
-
     def spans(self, group: Any) -> bool:
         """Whether ``group`` (a ``torch.distributed`` group a caller names, ``None`` for "all")
         holds exactly this transport's ranks, so a collective over this transport answers for it.

@@ -79,16 +79,8 @@ class HorovodBackend(Backend):
         self._completer = Completer("horovod-completer")
         logger.debug("HorovodBackend: rank %d of %d", self.hvd.rank(), self.hvd.size())
 
-    @property
-    @override
-    def rank(self) -> int:
-        return self.hvd.rank()
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return self.hvd.size()
-
+    rank = _hvd_query("rank", "This process's rank among all.")
+    world_size = _hvd_query("size", "Processes in all.")
     local_rank = _hvd_query("local_rank", "This process's rank on its node.")
     local_size = _hvd_query("local_size", "Processes on this node.")
     node_rank = _hvd_query("cross_rank", "This node's rank among the nodes.")

@@ -43,7 +43,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -888,6 +888,27 @@ class _SlurmParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+TEXT_OPTIONS: tuple[tuple[str, str, Optional[str], str], ...] = (
+    ("-p", "--partition", None, "#SBATCH --partition; default the cluster's"),
+    (
+        "-t",
+        "--time",
+        None,
+        "time limit, SLURM format (e.g. 30, 4:00:00, 1-12); default none (the partition's)",
+    ),
+    ("-J", "--job-name", "lightning-dist", "#SBATCH --job-name; default lightning-dist"),
+    ("-A", "--account", None, "#SBATCH --account to charge; default your default account"),
+    ("-q", "--qos", None, "#SBATCH --qos; default the account's"),
+    (
+        "-C",
+        "--constraint",
+        None,
+        "#SBATCH --constraint, node features (e.g. a100, 'a100&ib', '[rack1|rack2]'); default none",
+    ),
+)
+"""The plain one-value options of ``lightning-dist slurm``: short and long flag, default, help."""
+
+
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     p = sub.add_parser(
         "slurm",
@@ -947,26 +968,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "and unset options here are taken from them; always: the same for any command (your script takes "
         "these flags as examples/train.py does); never: the command is left as it is",
     )
-    p.add_argument("-p", "--partition", default=None, help="#SBATCH --partition; default the cluster's")
-    p.add_argument(
-        "-t",
-        "--time",
-        default=None,
-        help="time limit, SLURM format (e.g. 30, 4:00:00, 1-12); default none (the partition's)",
-    )
-    p.add_argument(
-        "-J", "--job-name", default="lightning-dist", help="#SBATCH --job-name; default lightning-dist"
-    )
-    p.add_argument(
-        "-A", "--account", default=None, help="#SBATCH --account to charge; default your default account"
-    )
-    p.add_argument("-q", "--qos", default=None, help="#SBATCH --qos; default the account's")
-    p.add_argument(
-        "-C",
-        "--constraint",
-        default=None,
-        help="#SBATCH --constraint, node features (e.g. a100, 'a100&ib', '[rack1|rack2]'); default none",
-    )
+    for short, option, default, text in TEXT_OPTIONS:
+        p.add_argument(short, option, default=default, help=text)
     p.add_argument(
         "--exclusive",
         nargs="?",
@@ -1123,38 +1126,22 @@ def job_from_args(args: argparse.Namespace, command: list[str]) -> SlurmJob:
         if accelerator is None:
             said = take("--accelerator", lambda v: v.lower() in ("cpu", "gpu", "cuda"))
             accelerator = None if said is None else "cpu" if said.lower() == "cpu" else "gpu"
-        return SlurmJob(
-            command=command,
-            nodes=nodes,
-            devices=devices,
-            strategy=strategy,
-            partition=args.partition,
-            time=args.time,
-            job_name=args.job_name,
-            output=args.output,
-            cpus_per_task=args.cpus_per_task,
-            gpus_per_node=args.gpus_per_node or 0,
-            mem=args.mem,
-            signal_seconds=args.signal_seconds,
-            requeue=args.requeue,
-            port=args.port,
-            master_addr=args.master_addr,
-            mpi=args.mpi,
-            min_nodes=args.min_nodes,
-            max_restarts=args.max_restarts,
-            chdir=args.chdir,
-            accelerator=accelerator,
-            gres=args.gres,
-            account=args.account,
-            qos=args.qos,
-            constraint=args.constraint,
-            exclusive=args.exclusive,
-            mail_type=args.mail_type,
-            mail_user=args.mail_user,
-            setup=args.setup or (),
-            sbatch_args=args.sbatch_arg or (),
-            trainer_flags=mode,
-        )
+        computed = {
+            "command": command,
+            "nodes": nodes,
+            "devices": devices,
+            "strategy": strategy,
+            "accelerator": accelerator,
+            "gpus_per_node": args.gpus_per_node or 0,
+            "setup": args.setup or (),
+            "sbatch_args": args.sbatch_arg or (),
+            "trainer_flags": mode,
+        }
+        # every other field is an option of the same name, passed as given
+        as_given = {
+            f.name: getattr(args, f.name) for f in fields(SlurmJob) if f.init and f.name not in computed
+        }
+        return SlurmJob(**computed, **as_given)
     except ValueError as exc:
         if not taken:
             raise

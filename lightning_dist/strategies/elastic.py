@@ -135,30 +135,21 @@ class ElasticMixin(_MixinBase):
     """Commits, the elastic sampler and resume without ``ckpt_path``, for a ``DDP``-based strategy.
 
     A strategy lists it first (``class Elastic(ElasticMixin, Compressed)``) over a strategy with
-    ``RankStateMixin`` and calls ``_init_elastic(...)`` in its ``__init__``; the per-rank state that
-    strategy saves in its checkpoints (``rank_state``, ``rank_state_entries``) goes into every commit,
-    gathered in the same collective as the ranks' RNG states. Options: see ``Elastic``.
+    ``RankStateMixin`` and calls ``_init_elastic`` with its ``ElasticOptions`` in its ``__init__``; the
+    per-rank state that strategy saves in its checkpoints (``rank_state``, ``rank_state_entries``)
+    goes into every commit, gathered in the same collective as the ranks' RNG states. Options: see
+    ``Elastic``.
     """
 
-    def _init_elastic(
-        self,
-        commit_every: int,
-        keep: int,
-        dirpath: Optional[Union[str, os.PathLike[str]]],
-        seed: int,
-        on_indivisible: str,
-        scale_lr: bool,
-        background_commits: bool,
-    ) -> None:
-        """Check the elastic options (ValueError naming the bad one) and set the elastic state."""
-        options_from(ElasticOptions, locals())  # checks them
-        self.commit_every = commit_every
-        self.keep = keep
-        self.dirpath = dirpath
-        self.seed = seed
-        self.on_indivisible = on_indivisible
-        self.scale_lr = scale_lr
-        self.background_commits = background_commits
+    def _init_elastic(self, options: ElasticOptions) -> None:
+        """Set the elastic state from the (checked) elastic options."""
+        self.commit_every = options.commit_every
+        self.keep = options.keep
+        self.dirpath = options.dirpath
+        self.seed = options.seed
+        self.on_indivisible = options.on_indivisible
+        self.scale_lr = options.scale_lr
+        self.background_commits = options.background_commits
         self.writer: Optional[BackgroundWriter] = None
         self.store: Optional[CommitStore] = None
         self.plan: Optional[ElasticPlan] = None
@@ -431,7 +422,7 @@ class Elastic(ElasticMixin, Compressed):
         background_commits: bool = True,
         **options: Any,
     ) -> None:
-        self._init_elastic(commit_every, keep, dirpath, seed, on_indivisible, scale_lr, background_commits)
+        self._init_elastic(options_from(ElasticOptions, locals()))  # checks them
         options.setdefault("skip_nonfinite", True)
         options.setdefault("log_stats", False)
         super().__init__("none" if compression is None else compression, reduce_op=reduce_op, **options)
@@ -476,7 +467,7 @@ class ElasticDiLoCo(ElasticMixin, DiLoCo):
                     f"ElasticDiLoCo: {name}={options[name]!r} is not supported (DiLoCo has no gradient "
                     f"all-reduce); accepted options: {', '.join(self._accepted_options())}"
                 )
-        self._init_elastic(commit_every, keep, dirpath, seed, on_indivisible, scale_lr, background_commits)
+        self._init_elastic(options_from(ElasticOptions, locals()))  # checks them
         super().__init__(**options)
 
     @classmethod

@@ -24,12 +24,12 @@ from typing import Any
 import lightning as L
 import torch
 from rank_io import save_fitted
+from script_setup import cpu_trainer
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
 from lightning_dist import collectives  # also registers the strategy names
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
-from lightning_dist.workload.trainer import quiet_trainer
 
 
 class StepOrdered(TinyCausalLM):
@@ -86,15 +86,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     model = StepOrdered(a.out, a.step_sleep)
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=a.devices,
-        strategy=a.strategy,
-        max_steps=a.max_steps,
-        limit_val_batches=0,
-        deterministic=True,
-        use_distributed_sampler=False,
-        default_root_dir=a.out,
+    trainer = cpu_trainer(
+        a.devices, a.strategy, a.max_steps, use_distributed_sampler=False, default_root_dir=a.out
     )
     trainer.fit(model)
     save_fitted(a.out, trainer, model, train_loss=float(trainer.callback_metrics["train_loss"]))
