@@ -36,6 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.cpu_state import to_cpu
@@ -103,6 +104,33 @@ def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[int]]:
     for i, t in enumerate(tensors):
         groups.setdefault(t.dtype, []).append(i)
     return groups
+
+
+def average_pseudo_gradients(
+    comm: Communicator, compressor: Compressor, deltas: list[Tensor]
+) -> list[Tensor]:
+    """The average of ``deltas`` over ``comm``'s ranks through ``compressor`` (one exchange per
+    dtype, keyed ``diloco.<dtype>``): DiLoCo's pseudo-gradients, over all ranks or (``ShardedDiLoCo``)
+    over the ranks holding the same shard."""
+    out: list[Optional[Tensor]] = [None] * len(deltas)
+    for dtype, indices in _by_dtype(deltas).items():
+        ex = compressor.exchange(
+            f"diloco.{dtype}",
+            [deltas[i] for i in indices],
+            world_size=comm.world_size,
+            rank=comm.rank,
+        )
+        if comm.world_size == 1:
+            result = ex.run_local()
+        else:
+            run_exchanges(comm, [[ex]]).wait()
+            assert ex.result is not None
+            result = ex.result
+            if result[0].is_cuda:  # the exchange's kernels ran on other streams
+                torch.cuda.synchronize(result[0].device)
+        for i, t in zip(indices, result, strict=True):
+            out[i] = t
+    return [t for t in out if t is not None]
 
 
 def _unregistered_name(module: nn.Module, param: Tensor) -> Optional[str]:
@@ -291,26 +319,7 @@ class DiLoCo(RankStateMixin, DDP):
 
     def _average(self, deltas: list[Tensor]) -> list[Tensor]:
         """The ranks' average of ``deltas`` through the compressor (one exchange per dtype)."""
-        comm = self._transport()
-        out: list[Optional[Tensor]] = [None] * len(deltas)
-        for dtype, indices in _by_dtype(deltas).items():
-            ex = self.compressor.exchange(
-                f"diloco.{dtype}",
-                [deltas[i] for i in indices],
-                world_size=comm.world_size,
-                rank=comm.rank,
-            )
-            if comm.world_size == 1:
-                result = ex.run_local()
-            else:
-                run_exchanges(comm, [[ex]]).wait()
-                assert ex.result is not None
-                result = ex.result
-                if result[0].is_cuda:  # the exchange's kernels ran on other streams
-                    torch.cuda.synchronize(result[0].device)
-            for i, t in zip(indices, result, strict=True):
-                out[i] = t
-        return [t for t in out if t is not None]
+        return average_pseudo_gradients(self._transport(), self.compressor, deltas)
 
     # -- checkpoints: every rank's model and inner optimizer state, and the outer state --------------
     def _own_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
