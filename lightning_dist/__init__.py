@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+    from lightning_dist.strategies.sharded import Sharded
 
 __all__ = [
     "DDP",
@@ -32,11 +33,21 @@ __all__ = [
     "ElasticDiLoCo",
     "Horovod",
     "HorovodAdasum",
+    "Sharded",
     "collectives",
 ]
 __version__ = "0.2.0"
 
-_STRATEGIES = ("DDP", "Compressed", "DiLoCo", "Elastic", "ElasticDiLoCo", "Horovod", "HorovodAdasum")
+_STRATEGIES = (
+    "DDP",
+    "Compressed",
+    "DiLoCo",
+    "Elastic",
+    "ElasticDiLoCo",
+    "Horovod",
+    "HorovodAdasum",
+    "Sharded",
+)
 
 
 def __getattr__(name: str) -> Any:

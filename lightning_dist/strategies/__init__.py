@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+    from lightning_dist.strategies.sharded import Sharded
 
 _CLASSES = {
     "DDP": "ddp",
@@ -24,6 +25,7 @@ _CLASSES = {
     "ElasticMixin": "elastic",
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
+    "Sharded": "sharded",
 }
 """Each class and the module of this package that defines it."""
 
@@ -36,6 +38,7 @@ __all__ = [
     "ElasticMixin",
     "Horovod",
     "HorovodAdasum",
+    "Sharded",
 ]
 
 
