@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
     from lightning_dist.strategies.sharded import Sharded
+    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
 __all__ = [
     "DDP",
@@ -34,6 +35,7 @@ __all__ = [
     "Horovod",
     "HorovodAdasum",
     "Sharded",
+    "ShardedDiLoCo",
     "collectives",
 ]
 __version__ = "0.2.0"
@@ -47,6 +49,7 @@ _STRATEGIES = (
     "Horovod",
     "HorovodAdasum",
     "Sharded",
+    "ShardedDiLoCo",
 )
 
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
     from lightning_dist.strategies.sharded import Sharded
+    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
 _CLASSES = {
     "DDP": "ddp",
@@ -26,6 +27,7 @@ _CLASSES = {
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
     "Sharded": "sharded",
+    "ShardedDiLoCo": "sharded_diloco",
 }
 """Each class and the module of this package that defines it."""
 
@@ -39,6 +41,7 @@ __all__ = [
     "Horovod",
     "HorovodAdasum",
     "Sharded",
+    "ShardedDiLoCo",
 ]
 
 

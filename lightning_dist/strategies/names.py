@@ -33,6 +33,7 @@ ELASTIC_DILOCO = f"{_PACKAGE}.elastic.ElasticDiLoCo"
 HOROVOD = f"{_PACKAGE}.horovod.Horovod"
 HOROVOD_ADASUM = f"{_PACKAGE}.horovod_adasum.HorovodAdasum"
 SHARDED = f"{_PACKAGE}.sharded.Sharded"
+SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,18 @@ def _names() -> list[Name]:
     for wire in SHARDED_COMPRESSIONS[1:]:
         description = f"FSDP2 sharding with a {wire} reduce-scatter"
         names.append(Name(f"ld_sharded_{wire}", SHARDED, description, init_params={"compression": wire}))
+    names.append(
+        Name(
+            "ld_sharded_diloco",
+            SHARDED_DILOCO,
+            "DiLoCo over FSDP2 shards: replica groups exchange their shards' pseudo-gradients",
+        )
+    )
+    for wire in DILOCO_COMPRESSIONS[1:]:
+        description = f"DiLoCo over FSDP2 shards with {wire} pseudo-gradients on the wire"
+        names.append(
+            Name(f"ld_sharded_diloco_{wire}", SHARDED_DILOCO, description, init_params={"compression": wire})
+        )
     return names
 
 

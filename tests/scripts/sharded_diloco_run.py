@@ -1,0 +1,119 @@
+"""Fit with ShardedDiLoCo and Sharded several times, one after another, in one job (4 ranks: 2x2).
+
+python tests/scripts/sharded_diloco_run.py --out DIR --devices N --runs JSON
+
+JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("sharded_diloco", "sharded"),
+``options`` (its keyword arguments), ``model``, ``optimizer``, ``lr``, ``steps`` or ``epochs`` with
+``batches_per_epoch`` (as tests/scripts/sharded_run.py), ``save`` (a checkpoint written after
+fitting), ``resume`` (fit from this checkpoint).
+
+Every rank writes ``<name>.rank<r>.pt`` (its replica group's full weights, gathered over the shard
+group; ``"initial"``: the weights before fitting; with ``save`` also ``"anchors"``: the full last-sync
+weights) and ``<name>.rank<r>.json``
+(steps, the strategy's sync counters and bytes, the largest pseudo-gradient element of each sync,
+this rank's shard size, ShardedDiLoCo's and Sharded's warnings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from run_options import trainer_length
+from sharded_run import full_weights, make_model
+
+import lightning_dist
+from lightning_dist import collectives
+from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo, like_param
+from lightning_dist.workload.trainer import quiet_trainer
+
+
+class Recorded(ShardedDiLoCo):
+    """ShardedDiLoCo noting the largest |pseudo-gradient| element of this rank at each sync (the
+    int8 test's bound is in those)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.delta_absmax: list[float] = []
+
+    def sync(self) -> None:
+        assert self.outer is not None
+        self.delta_absmax.append(
+            max(float(d.abs().max()) for d in self.outer.pseudo_gradients() if d.numel())
+        )
+        super().sync()
+
+
+def anchors(strategy: ShardedDiLoCo) -> dict[str, torch.Tensor]:
+    """The full last-sync weights (gathered over the shard group: a collective)."""
+    outer = strategy.outer
+    assert outer is not None
+    return {
+        n: like_param(a, p).full_tensor().cpu()  # type: ignore[union-attr]
+        for n, p, a in zip(outer.names, outer.params, outer.anchors, strict=True)
+    }
+
+
+def fit(run: dict[str, Any], out: str, devices: int) -> None:
+    import lightning as L
+
+    L.seed_everything(7, verbose=False)
+    model = make_model(run)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    options = run.get("options", {})
+    sharded = run.get("strategy", "sharded_diloco") == "sharded"
+    strategy = lightning_dist.Sharded(**options) if sharded else Recorded(**options)
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        **trainer_length(run, default_steps=6),
+        limit_val_batches=0,
+        deterministic=True,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, ckpt_path=run.get("resume"))
+    if run.get("save"):
+        trainer.save_checkpoint(run["save"])
+    saved: dict[str, Any] = {"weights": full_weights(model), "initial": initial}
+    if not sharded and run.get("save"):
+        saved["anchors"] = anchors(strategy)
+    rank = trainer.global_rank
+    torch.save(saved, os.path.join(out, f"{run['name']}.rank{rank}.pt"))
+    s = trainer.strategy
+    info = {
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "train_loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))),
+        "bytes_by_op": {op: v.bytes_sent for op, v in s.communicator.stats.per_op.items()},
+        "warnings": [str(w.message) for w in caught if "Sharded" in str(w.message)],
+        "local_numel": sum(p.to_local().numel() for p in model.parameters()),  # type: ignore[operator]
+        **{
+            k: getattr(s, k, None)
+            for k in ("syncs", "inner_step", "sync_bytes", "buffer_bytes", "delta_absmax")
+        },
+    }
+    with open(os.path.join(out, f"{run['name']}.rank{rank}.json"), "w") as fh:
+        json.dump(info, fh)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--runs", required=True)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.makedirs(a.out, exist_ok=True)
+    for run in json.loads(a.runs):
+        fit(run, a.out, a.devices)
+    collectives.shutdown()
+
+
+if __name__ == "__main__":
+    main()
