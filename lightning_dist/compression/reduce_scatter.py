@@ -2,7 +2,8 @@
 
 The input is a reduce-scatter's flat input: W equal chunks, chunk j for rank j. Each chunk is cut
 into blocks of ``block_size`` elements, each block quantised to int8 with one fp32 scale (its
-absmax / 127), and chunk j goes to rank j in one ``all_to_all``; every rank dequantises the W
+absmax / 127), and chunk j (its int8 values and scales, not the last block's padding) goes to
+rank j in one ``all_to_all``; every rank dequantises the W
 chunks it received and sums them in rank order (divided by W for an average). Per element a rank
 sends (W-1)/W bytes plus 4/block_size of scale, a quarter of an fp32 reduce-scatter.
 
@@ -54,7 +55,9 @@ def int8_reduce_scatter(
     if residual is not None:
         dropped = padded.sub_(dequantize(q, scale)).view(w, blocks * block_size)[:, :n]
         residual.view(w, n).copy_(dropped)
-    r_scale, r_q = yield from packed_round("all_to_all", [scale, q.view(w, blocks * block_size)])
+    # the int8 values of the chunk only: the last block's padding is not sent
+    r_scale, r_q = yield from packed_round("all_to_all", [scale, q.view(w, blocks * block_size)[:, :n]])
+    r_q = F.pad(r_q, (0, blocks * block_size - n))
     mine = dequantize(r_q.view(w, blocks, block_size), r_scale / w if average else r_scale)
     total = mine[0] if w == 1 else mine.sum(dim=0)
     return [total.view(-1)[:n]]
@@ -64,5 +67,5 @@ def int8_reduce_scatter_bytes(numel: int, world_size: int, block_size: int) -> i
     """Bytes one rank sends in ``int8_reduce_scatter`` of a flat input of ``numel`` elements."""
     n = numel // world_size
     blocks = _blocks(n, block_size)
-    row = packed_bytes([(torch.float32, blocks), (torch.int8, blocks * block_size)])
+    row = packed_bytes([(torch.float32, blocks), (torch.int8, n)])
     return all_to_all_bytes(world_size * row, world_size)

@@ -57,7 +57,7 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
-from lightning_dist.strategies.sharded_comm import PackReduceScatter, ReplicaSync
+from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
 from lightning_dist.strategies.sharding_policy import fsdp_modules, shard_by_layer, unsharded_parameters
 from lightning_dist.warn import warn_once
 
@@ -250,12 +250,13 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     def install_hooks(self, module: FSDPModule, index: int) -> None:
         """Fill FSDP2's extension points of ``module`` (the ``index``-th FSDP module): the pack's
-        reduce-scatter over the shard group, and ``replica_hook``'s all-reduce hook, if any. A
+        all-gather and reduce-scatter over the shard group, and ``replica_hook``'s all-reduce hook, if any. A
         subclass may override this, or only ``replica_hook``."""
         options = self.options
         reduce_scatter = PackReduceScatter(
             self.shard_comm, options.compression, options.int8_block_size, options.error_feedback
         )
+        module.set_custom_all_gather(PackAllGather(self.shard_comm))
         module.set_custom_reduce_scatter(reduce_scatter)
         self.reduce_scatters.append(reduce_scatter)
         hook = self.replica_hook(module, index)
@@ -356,9 +357,9 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             )
             return checkpoint
         key = self._rank_key(self.global_rank)
-        loaded: dict[str, Any] = {key: io.BytesIO()}  # DCP replaces it by the saved object
+        loaded: dict[str, Any] = {key: io.BytesIO()}  # DCP fills it with the saved bytes
         _distributed_checkpoint_load(loaded, Path(self.broadcast(checkpoint_path)))
-        self.load_sharded_rank_state(loaded[key])
+        self.load_sharded_rank_state(_from_bytes(loaded[key]))
         return checkpoint
 
     def _extra_state_names(self) -> str:
@@ -378,6 +379,14 @@ def _as_bytes(state: Any) -> io.BytesIO:
     torch.save(state, buffer)
     buffer.seek(0)
     return buffer
+
+
+def _from_bytes(value: Any) -> Any:
+    """The state ``_as_bytes`` wrote (DCP hands it back as a ``BytesIO``)."""
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        return torch.load(value, weights_only=True)
+    return value
 
 
 def shard_layout(module: FSDPModule) -> list[tuple[int, torch.Size]]:

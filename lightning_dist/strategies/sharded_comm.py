@@ -1,4 +1,7 @@
-"""What ``Sharded`` puts into FSDP2's two gradient extension points.
+"""What ``Sharded`` puts into FSDP2's communication extension points.
+
+``PackAllGather`` (FSDP2's ``set_custom_all_gather``): the parameter all-gather of one FSDP parameter
+group, through the shard group's ``Communicator``, so the strategy's counters hold every byte.
 
 ``PackReduceScatter`` (FSDP2's ``set_custom_reduce_scatter``): the reduce-scatter of one FSDP
 parameter group inside its shard group, through the shard group's ``Communicator`` (so its bytes are
@@ -10,7 +13,7 @@ gradient when the module is sharded over a 1-D mesh): the average of that shard 
 groups, through the replicate group's communicator and any compressor of the pack, or their
 gradient-space Adasum (per parameter shard).
 
-FSDP2 calls both synchronously (on CUDA, on its reduce-scatter / all-reduce streams, which every
+FSDP2 calls them synchronously (on CUDA, on its reduce-scatter / all-reduce streams, which every
 operation here is issued on); neither returns before its result is in place.
 """
 
@@ -20,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
@@ -40,6 +43,30 @@ def _averages(op: Any) -> bool:
         f"Sharded: FSDP2 asked for reduce op {op!r}; the pack's reduce-scatter accepts AVG and SUM only "
         "(do not call set_gradient_divide_factor on modules a Sharded strategy trains)"
     )
+
+
+def _check_group(group: Any, comm: Communicator) -> None:
+    if group.size() != comm.world_size:
+        raise RuntimeError(
+            f"Sharded: FSDP2 communicates over a group of {group.size()} ranks, the strategy's shard group "
+            f"has {comm.world_size}; shard the model over trainer.strategy.device_mesh['shard']"
+        )
+
+
+class PackAllGather(AllGather):
+    """One FSDP parameter group's all-gather over ``comm`` (the shard group), as FSDP2 sends it."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
+    ) -> None:
+        _check_group(group, self.comm)
+        self.comm.all_gather_into(output_tensor, input_tensor)
 
 
 class PackReduceScatter(ReduceScatter):
@@ -72,11 +99,7 @@ class PackReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> None:
         comm, w = self.comm, self.comm.world_size
-        if group.size() != w:
-            raise RuntimeError(
-                f"Sharded: FSDP2 reduce-scatters over a group of {group.size()} ranks, the strategy's shard "
-                f"group has {w}; shard the model over trainer.strategy.device_mesh['shard']"
-            )
+        _check_group(group, comm)
         average = _averages(op)
         if self.compression == "int8":
             output_tensor.copy_(self._int8(input_tensor, average))
