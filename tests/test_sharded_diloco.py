@@ -165,4 +165,5 @@ def test_int8_pseudo_gradients_within_the_quantisation_bound(runs: Path) -> None
         n = info(runs, "none_one_sync", rank)["local_numel"]
         assert info(runs, "none_one_sync", rank)["sync_bytes"] == ring_all_reduce_bytes(4 * n, 2)
         assert info(runs, "int8_one_sync", rank)["sync_bytes"] == Int8Quantization().wire_bytes([(n,)], 2)
-    assert info(runs, "int8_one_sync")["sync_bytes"] < 0.3 * info(runs, "none_one_sync")["sync_bytes"]
+    # this MLP's 802-element shard pads to one 1024-element int8 block: 1032 bytes against 3208
+    assert info(runs, "int8_one_sync")["sync_bytes"] < 0.33 * info(runs, "none_one_sync")["sync_bytes"]
