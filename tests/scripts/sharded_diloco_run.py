@@ -25,10 +25,12 @@ from typing import Any
 import torch
 from run_options import trainer_length
 from sharded_run import full_weights, make_model
+from torch.distributed.tensor import DTensor
 
 import lightning_dist
 from lightning_dist import collectives
-from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo, like_param
+from lightning_dist.strategies.sharded import Sharded
+from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo, like_param, local_shard
 from lightning_dist.workload.trainer import quiet_trainer
 
 
@@ -53,7 +55,7 @@ def anchors(strategy: ShardedDiLoCo) -> dict[str, torch.Tensor]:
     outer = strategy.outer
     assert outer is not None
     return {
-        n: like_param(a, p).full_tensor().cpu()  # type: ignore[union-attr]
+        n: DTensor.full_tensor(like_param(a, p)).cpu()  # type: ignore[arg-type]
         for n, p, a in zip(outer.names, outer.params, outer.anchors, strict=True)
     }
 
@@ -66,7 +68,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     options = run.get("options", {})
     sharded = run.get("strategy", "sharded_diloco") == "sharded"
-    strategy = lightning_dist.Sharded(**options) if sharded else Recorded(**options)
+    strategy: Sharded = lightning_dist.Sharded(**options) if sharded else Recorded(**options)
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
@@ -81,18 +83,18 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
     saved: dict[str, Any] = {"weights": full_weights(model), "initial": initial}
-    if not sharded and run.get("save"):
+    if isinstance(strategy, Recorded) and run.get("save"):
         saved["anchors"] = anchors(strategy)
     rank = trainer.global_rank
     torch.save(saved, os.path.join(out, f"{run['name']}.rank{rank}.pt"))
-    s = trainer.strategy
+    s = strategy
     info = {
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "train_loss": float(trainer.callback_metrics.get("train_loss", torch.tensor(float("nan")))),
-        "bytes_by_op": {op: v.bytes_sent for op, v in s.communicator.stats.per_op.items()},
+        "bytes_by_op": {op: v.bytes_sent for op, v in s.replica_comm.stats.per_op.items()},
         "warnings": [str(w.message) for w in caught if "Sharded" in str(w.message)],
-        "local_numel": sum(p.to_local().numel() for p in model.parameters()),  # type: ignore[operator]
+        "local_numel": sum(local_shard(p).numel() for p in model.parameters()),
         **{
             k: getattr(s, k, None)
             for k in ("syncs", "inner_step", "sync_bytes", "buffer_bytes", "delta_absmax")
