@@ -39,16 +39,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
-from lightning_dist.strategies.diloco import (
-    _by_dtype,
-    _persistent_float_buffers,
-    average_pseudo_gradients,
-    build_diloco_compressor,
-    foreign_parameter_message,
-)
+from lightning_dist.strategies.diloco import DiLoCoLoop, build_diloco_compressor, inner_parameters
 from lightning_dist.strategies.diloco_outer import OuterSGD
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
@@ -116,7 +111,7 @@ def restore_local_optimizer_state(
                     state[k] = saved[name][k]
 
 
-class ShardedDiLoCo(Sharded):
+class ShardedDiLoCo(DiLoCoLoop, Sharded):
     """DiLoCo across replica groups, each training its own FSDP2-sharded copy (module docstring).
 
     Args:
@@ -168,20 +163,7 @@ class ShardedDiLoCo(Sharded):
             timeout=timeout,
         )
         self._auto_replicas = replicas == "auto"
-        self.inner_steps = inner_steps
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.nesterov = nesterov
-        self.sync_buffers = sync_buffers
-        self.outer: Optional[OuterSGD] = None
-        self.inner_step = 0
-        """Optimizer steps since the last sync."""
-        self.syncs = 0
-        """Syncs so far (over the whole run, resumed ones included)."""
-        self.sync_bytes = 0
-        """Bytes this rank sent for the pseudo-gradients in this process's syncs."""
-        self.buffer_bytes = 0
-        """Bytes this rank sent for the buffers in this process's syncs."""
+        self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._names: dict[int, str] = {}
         self._restored = False
 
@@ -218,21 +200,8 @@ class ShardedDiLoCo(Sharded):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ShardedDiLoCo needs exactly one optimizer (the inner one), configure_optimizers returned "
-                f"{len(self.optimizers)}"
-            )
-        module = self.lightning_module
-        assert module is not None
-        names = {id(p): n for n, p in module.named_parameters()}
-        named: list[tuple[str, Tensor]] = []
-        for group_index, group in enumerate(self.optimizers[0].param_groups):
-            for p in group["params"]:
-                if id(p) not in names:
-                    raise ValueError(foreign_parameter_message(module, p, group_index, group))
-                if all(p is not q for _, q in named):
-                    named.append((names[id(p)], p))
+        assert self.lightning_module is not None
+        named = inner_parameters("ShardedDiLoCo", self.lightning_module, self.optimizers)
         self._names = {id(p): n for n, p in named}
         self._same_start(named)
         self.outer = OuterSGD(named, self.outer_lr, self.outer_momentum, self.nesterov, local=local_shard)
@@ -249,34 +218,10 @@ class ShardedDiLoCo(Sharded):
             for _, p in named:
                 comm.broadcast(local_shard(p), 0)
 
-    # -- inner steps and syncs ----------------------------------------------------------------------
     @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
-    ) -> Any:
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.inner_step += 1
-        if self.inner_step >= self.inner_steps:
-            self.sync()
-        return result
-
-    def sync(self) -> None:
-        """Average each shard's pseudo-gradient over the replica groups, take the outer step on it,
-        average the buffers over all ranks."""
-        outer = self.outer
-        assert outer is not None, "ShardedDiLoCo.sync: setup() has not run"
-        stats = self.replica_comm.stats
-        before = stats.bytes_sent
-        outer.step(average_pseudo_gradients(self.replica_comm, self.compressor, outer.pseudo_gradients()))
-        middle = stats.bytes_sent
-        if self.sync_buffers and self.lightning_module is not None:
-            buffers = _persistent_float_buffers(self.lightning_module)
-            for indices in _by_dtype(buffers).values():
-                self._transport().all_reduce([buffers[i] for i in indices], "avg")
-        self.sync_bytes += middle - before
-        self.buffer_bytes += stats.bytes_sent - middle
-        self.inner_step = 0
-        self.syncs += 1
+    def pseudo_gradient_comm(self) -> Communicator:
+        """The ranks holding this rank's shard in the other replica groups."""
+        return self.replica_comm
 
     # -- checkpoints --------------------------------------------------------------------------------
     @override

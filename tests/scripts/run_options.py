@@ -1,11 +1,18 @@
 """What the multi-run scripts (``compressed_run.py``, ``diloco_run.py``) read alike from a run's JSON
-description: how long it trains and in which precision, and the checkpoint it resumes from."""
+description: how long it trains and in which precision, and the checkpoint it resumes from; and
+their common ``main`` (``run_all``)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+
+from lightning_dist import collectives
 
 
 def trainer_length(run: dict[str, Any], default_steps: int) -> dict[str, Any]:
@@ -30,3 +37,19 @@ def resume_path(run: dict[str, Any], drop: str, key: str, rank: int) -> Optional
         ckpt = f"{ckpt}.dropped{rank}"
         torch.save(loaded, ckpt)
     return ckpt
+
+
+def run_all(fit: Callable[[dict[str, Any], str, int], None], argv: Optional[list[str]], devices: int) -> None:
+    """A multi-run script's ``main``: ``--out DIR --runs JSON [--devices N]`` (default ``devices``),
+    each run of the JSON list fitted in turn by ``fit(run, out, devices)``, one CPU thread, then the
+    collectives shut down."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", required=True)
+    p.add_argument("--devices", type=int, default=devices)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.makedirs(a.out, exist_ok=True)
+    for run in json.loads(a.runs):
+        fit(run, a.out, a.devices)
+    collectives.shutdown()

@@ -16,19 +16,17 @@ this rank's shard size, ShardedDiLoCo's and Sharded's warnings).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import warnings
 from typing import Any
 
 import torch
-from run_options import trainer_length
+from run_options import run_all, trainer_length
 from sharded_run import full_weights, make_model
 from torch.distributed.tensor import DTensor
 
 import lightning_dist
-from lightning_dist import collectives
 from lightning_dist.strategies.sharded import Sharded
 from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo, like_param, local_shard
 from lightning_dist.workload.trainer import quiet_trainer
@@ -105,16 +103,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--runs", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.makedirs(a.out, exist_ok=True)
-    for run in json.loads(a.runs):
-        fit(run, a.out, a.devices)
-    collectives.shutdown()
+    run_all(fit, argv, devices=4)
 
 
 if __name__ == "__main__":
