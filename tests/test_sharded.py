@@ -111,7 +111,9 @@ def test_int8_reduce_scatter_error_feedback_keeps_what_was_dropped() -> None:
             for x, res in zip(step, residuals, strict=True)
         ]
         sent_total += torch.stack([r[0] for r in simulate(exchanges)])
-    owed = sum(x for step in inputs for x in step).view(w, n) - sum(residuals).view(w, n)
+    owed = (torch.stack([x for step in inputs for x in step]).sum(0) - torch.stack(residuals).sum(0)).view(
+        w, n
+    )
     torch.testing.assert_close(sent_total, owed, rtol=0, atol=1e-5)
 
 

@@ -139,8 +139,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         return compressor
 
     @property
-    @override
     def is_distributed(self) -> bool:
+        """Always: Lightning's connector knows ``ModelParallelStrategy`` as distributed already."""
         return True
 
     # -- process groups, mesh and communicators ---------------------------------------------------

@@ -58,7 +58,9 @@ class UserLM(LM):
     """What a ModelParallelStrategy user writes: fully_shard in configure_model."""
 
     def configure_model(self) -> None:
-        shard_by_layer(self, self.device_mesh["data_parallel"])
+        mesh = self.device_mesh
+        assert mesh is not None
+        shard_by_layer(self, mesh["data_parallel"])
 
 
 class MLP(L.LightningModule):
