@@ -16,7 +16,6 @@ Rank 0 writes ``<name>.pt`` (the full final weights, gathered); every rank write
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import warnings
@@ -26,13 +25,12 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from rank_io import RecordBatches
-from run_options import trainer_length
+from run_options import fit_each_run, trainer_length
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dist
-from lightning_dist import collectives
 from lightning_dist.strategies.sharding_policy import shard_by_layer
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
@@ -169,16 +167,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--runs", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.makedirs(a.out, exist_ok=True)
-    for run in json.loads(a.runs):
-        fit(run, a.out, a.devices)
-    collectives.shutdown()
+    fit_each_run(fit, argv)
 
 
 if __name__ == "__main__":
