@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -125,6 +126,7 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(run: dict[str, Any], out: str, devices: int) -> None:
+    start = time.perf_counter()
     L.seed_everything(7, verbose=False)
     model = make_model(run)
     record = RecordBatches()
@@ -154,6 +156,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "bytes_by_op": {op: s.bytes_sent for op, s in comm.stats.per_op.items()} if comm is not None else {},
         "warnings": [str(w.message) for w in caught if "Sharded" in str(w.message)],
         "fsdp_modules": len(getattr(trainer.strategy, "fsdp_modules", [])),
+        "seconds": time.perf_counter() - start,
     }
     if rank == 0:
         torch.save(weights, os.path.join(out, f"{run['name']}.pt"))
