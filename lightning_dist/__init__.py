@@ -40,17 +40,7 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_STRATEGIES = (
-    "DDP",
-    "Compressed",
-    "DiLoCo",
-    "Elastic",
-    "ElasticDiLoCo",
-    "Horovod",
-    "HorovodAdasum",
-    "Sharded",
-    "ShardedDiLoCo",
-)
+_STRATEGIES = tuple(name for name in __all__ if name != "collectives")
 
 
 def __getattr__(name: str) -> Any:

@@ -79,7 +79,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "none_one_sync", **one_sync, "options": H4},
         {"name": "int8_one_sync", **one_sync, "options": {**H4, "compression": "int8"}},
     ]
-    run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(configs)], timeout=FIXTURE_BUDGET)
+    run_script(
+        [SCRIPT, "--out", str(out), "--devices", "4", "--runs", json.dumps(configs)], timeout=FIXTURE_BUDGET
+    )
     return out
 
 

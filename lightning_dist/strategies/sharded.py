@@ -47,12 +47,14 @@ from lightning_dist.compat import (
     _materialize_distributed_module,
     _optimizers_to_device,
 )
-from lightning_dist.compression import Compressor, make_compressor
+from lightning_dist.compression import COMPRESSORS, Compressor, make_compressor
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import (
+    PROCESS_GROUP_BACKENDS,
     ShardedOptions,
+    check_choice,
     option_names,
     options_from,
     reject_unknown_options,
@@ -102,6 +104,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
+        check_choice("process_group_backend", process_group_backend, PROCESS_GROUP_BACKENDS)
         self.options = options_from(ShardedOptions, locals())
         self.replica_compressor = self._build_replica_compressor(self.options)
         super().__init__(
@@ -130,6 +133,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
     @staticmethod
     def _build_replica_compressor(options: ShardedOptions) -> Compressor:
         sync = options.replica_sync
+        if not isinstance(sync, Compressor) and str(sync).lower() not in COMPRESSORS:
+            raise ValueError(
+                f"replica_sync={sync!r} is not supported; accepted: {', '.join(map(repr, COMPRESSORS))} "
+                "or a lightning_dist.compression.Compressor"
+            )
         compressor = sync if isinstance(sync, Compressor) else make_compressor(sync)
         if options.reduce_op == "adasum" and not compressor.supports_adasum:
             raise ValueError(
@@ -139,8 +147,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         return compressor
 
     @property
-    @override
     def is_distributed(self) -> bool:
+        """Always: Lightning's connector knows ``ModelParallelStrategy`` as distributed already."""
         return True
 
     # -- process groups, mesh and communicators ---------------------------------------------------
@@ -308,11 +316,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         if not self._save_distributed_checkpoint:
-            if self._holds_rank_state():
+            if self.holds_rank_state():
                 warn_once(
                     "Sharded: save_distributed_checkpoint=False writes one full checkpoint without the "
-                    "per-rank state (error-feedback residuals, replica-sync compressor state); a resume "
-                    "from it starts that state afresh"
+                    f"per-rank state ({', '.join(self.rank_state_names())}); a resume from it starts that "
+                    "state afresh"
                 )
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if storage_options is not None:
@@ -334,7 +342,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         if self.global_rank == 0:
             torch.save(checkpoint, path / _METADATA_FILENAME)
 
-    def _holds_rank_state(self) -> bool:
+    def holds_rank_state(self) -> bool:
+        """Whether this rank holds per-rank state a full checkpoint would lose (a subclass adds its own)."""
         return bool(self.replica_compressor.state_dict()["keys"]) or any(
             rs.residual is not None for rs in self.reduce_scatters
         )
@@ -352,8 +361,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             warn_once(
                 f"Sharded: the checkpoint was written at world size {saved['world_size']} with "
                 f"replicas={saved['replicas']}, this run has {self.world_size} and {self.options.replicas}: "
-                "weights and optimizer state are resharded; the per-rank state (error-feedback residuals, "
-                "replica-sync compressor state" + self._extra_state_names() + ") is dropped and starts afresh"
+                "weights and optimizer state are resharded; the per-rank state "
+                f"({', '.join(self.rank_state_names())}) is dropped and starts afresh"
             )
             return checkpoint
         key = self._rank_key(self.global_rank)
@@ -362,9 +371,10 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self.load_sharded_rank_state(_from_bytes(loaded[key]))
         return checkpoint
 
-    def _extra_state_names(self) -> str:
-        """``, <what a subclass adds>`` for the dropped-state warning (a subclass overrides)."""
-        return ""
+    def rank_state_names(self) -> list[str]:
+        """What ``sharded_rank_state`` holds, in words, for the warning of a resume that drops it
+        (a subclass adds its own: ``[*super().rank_state_names(), "DiLoCo's outer momentum"]``)."""
+        return ["error-feedback residuals", "replica-sync compressor state"]
 
     @classmethod
     @override
@@ -392,7 +402,10 @@ def _from_bytes(value: Any) -> Any:
 def shard_layout(module: FSDPModule) -> list[tuple[int, torch.Size]]:
     """(offset, local shard shape) of each parameter in the flat shard gradient FSDP2 hands to the
     all-reduce hook of ``module``'s parameter group (each parameter's shard padded to equal size)."""
-    (group,) = module._get_fsdp_state()._fsdp_param_groups
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if not groups:  # every parameter is in a sharded child (nn.TransformerEncoder): no hook call
+        return []
+    (group,) = groups
     layout, offset = [], 0
     for param in group.fsdp_params:
         layout.append((offset, torch.Size(param.sharded_size)))

@@ -19,6 +19,7 @@ operation here is issued on); neither returns before its result is in place.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -53,14 +54,18 @@ def _check_group(group: Any, comm: Communicator) -> None:
         )
 
 
-class PackAllGather(AllGather):
+class _PlainBuffers:
+    """FSDP2's ``Comm.allocate``: plain ``torch.empty`` buffers (the caching allocator on CUDA)."""
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class PackAllGather(_PlainBuffers, AllGather):
     """One FSDP parameter group's all-gather over ``comm`` (the shard group), as FSDP2 sends it."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
@@ -69,26 +74,17 @@ class PackAllGather(AllGather):
         self.comm.all_gather_into(output_tensor, input_tensor)
 
 
-class PackReduceScatter(ReduceScatter):
+@dataclass(eq=False)
+class PackReduceScatter(_PlainBuffers, ReduceScatter):
     """One FSDP parameter group's reduce-scatter over ``comm`` (the shard group), ``compression``
     None (fp32), ``"bf16"``, ``"fp16"`` or ``"int8"``. Holds the group's error-feedback residual."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        compression: Optional[str] = None,
-        block_size: int = 1024,
-        error_feedback: bool = False,
-    ) -> None:
-        self.comm = comm
-        self.compression = compression
-        self.block_size = block_size
-        self.error_feedback = error_feedback
-        self.residual: Optional[Tensor] = None
-        """int8 with error feedback: what quantisation dropped from this rank's last input."""
-
-    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    comm: Communicator
+    compression: Optional[str] = None
+    block_size: int = 1024
+    error_feedback: bool = False
+    residual: Optional[Tensor] = None
+    """int8 with error feedback: what quantisation dropped from this rank's last input."""
 
     def __call__(
         self,
@@ -131,6 +127,7 @@ class PackReduceScatter(ReduceScatter):
         return ex.result[0]
 
 
+@dataclass(eq=False)
 class ReplicaSync:
     """FSDP2's all-reduce hook for one FSDP parameter group: average its reduce-scattered shard
     gradient over the replica groups through ``comm`` (the replicate group) and ``compressor``
@@ -141,19 +138,11 @@ class ReplicaSync:
     each to equal size per rank); per-tensor compressors and Adasum see those tensors, the others
     the flat gradient, padding included (zeros on every rank)."""
 
-    def __init__(
-        self,
-        comm: Communicator,
-        compressor: Compressor,
-        key: str,
-        shards: list[tuple[int, torch.Size]],
-        adasum: bool = False,
-    ) -> None:
-        self.comm = comm
-        self.compressor = compressor
-        self.key = key
-        self.shards = shards
-        self.adasum = adasum
+    comm: Communicator
+    compressor: Compressor
+    key: str
+    shards: list[tuple[int, torch.Size]]
+    adasum: bool = False
 
     def _views(self, flat: Tensor) -> list[Tensor]:
         return [flat[o : o + s.numel()].view(s) for o, s in self.shards if s.numel() > 0]

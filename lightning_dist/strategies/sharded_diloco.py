@@ -60,8 +60,9 @@ CHECKPOINT_KEY = "lightning_dist.sharded_diloco"
 """In the checkpoint's metadata: ``{"inner_steps", "inner_step", "syncs"}``; each rank's own state is
 in ``Sharded``'s per-rank entry under ``"diloco"``."""
 DROPPED = (
-    ", DiLoCo's outer momentum, its inner steps since the last sync (every replica group continues from "
-    "the last-sync weights) and each replica group's own inner optimizer state"
+    "DiLoCo's outer momentum",
+    "the inner steps since the last sync (every replica group continues from the last-sync weights)",
+    "each replica group's own inner optimizer state",
 )
 
 
@@ -270,8 +271,12 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         self._restored = True
 
     @override
-    def _extra_state_names(self) -> str:
-        return DROPPED
+    def rank_state_names(self) -> list[str]:
+        return [*super().rank_state_names(), *DROPPED]
+
+    @override
+    def holds_rank_state(self) -> bool:
+        return self.outer is not None or super().holds_rank_state()
 
     @override
     def save_checkpoint(

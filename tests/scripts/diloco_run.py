@@ -21,7 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 from rank_io import RecordBatches, save_fitted
-from run_options import resume_path, run_all, trainer_length
+from run_options import fit_each_run, resume_path, trainer_length
 
 import lightning_dist
 from lightning_dist.strategies.diloco import CHECKPOINT_KEY
@@ -101,7 +101,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_all(fit, argv, devices=2)
+    fit_each_run(fit, argv)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """What the multi-run scripts (``compressed_run.py``, ``diloco_run.py``) read alike from a run's JSON
-description: how long it trains and in which precision, and the checkpoint it resumes from; and
-their common ``main`` (``run_all``)."""
+description: how long it trains and in which precision, and the checkpoint it resumes from."""
 
 from __future__ import annotations
 
@@ -39,14 +38,13 @@ def resume_path(run: dict[str, Any], drop: str, key: str, rank: int) -> Optional
     return ckpt
 
 
-def run_all(fit: Callable[[dict[str, Any], str, int], None], argv: Optional[list[str]], devices: int) -> None:
-    """A multi-run script's ``main``: ``--out DIR --runs JSON [--devices N]`` (default ``devices``),
-    each run of the JSON list fitted in turn by ``fit(run, out, devices)``, one CPU thread, then the
-    collectives shut down."""
+def fit_each_run(fit: Callable[[dict[str, Any], str, int], None], argv: Optional[list[str]] = None) -> None:
+    """The multi-run scripts' ``main``: ``--out DIR --runs JSON [--devices N]``; ``fit(run, out,
+    devices)`` for each run in turn, in these processes, then the transport's shutdown."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--runs", required=True)
-    p.add_argument("--devices", type=int, default=devices)
+    p.add_argument("--devices", type=int, default=2)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)

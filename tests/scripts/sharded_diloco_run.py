@@ -22,7 +22,7 @@ import warnings
 from typing import Any
 
 import torch
-from run_options import run_all, trainer_length
+from run_options import fit_each_run, trainer_length
 from sharded_run import full_weights, make_model
 from torch.distributed.tensor import DTensor
 
@@ -103,7 +103,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_all(fit, argv, devices=4)
+    fit_each_run(fit, argv)
 
 
 if __name__ == "__main__":

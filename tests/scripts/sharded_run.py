@@ -16,9 +16,9 @@ Rank 0 writes ``<name>.pt`` (the full final weights, gathered); every rank write
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import time
 import warnings
 from typing import Any
 
@@ -26,13 +26,12 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from rank_io import RecordBatches
-from run_options import trainer_length
+from run_options import fit_each_run, trainer_length
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dist
-from lightning_dist import collectives
 from lightning_dist.strategies.sharding_policy import shard_by_layer
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
@@ -58,7 +57,9 @@ class UserLM(LM):
     """What a ModelParallelStrategy user writes: fully_shard in configure_model."""
 
     def configure_model(self) -> None:
-        shard_by_layer(self, self.device_mesh["data_parallel"])
+        mesh = self.device_mesh
+        assert mesh is not None
+        shard_by_layer(self, mesh["data_parallel"])
 
 
 class MLP(L.LightningModule):
@@ -125,6 +126,7 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(run: dict[str, Any], out: str, devices: int) -> None:
+    start = time.perf_counter()
     L.seed_everything(7, verbose=False)
     model = make_model(run)
     record = RecordBatches()
@@ -154,6 +156,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "bytes_by_op": {op: s.bytes_sent for op, s in comm.stats.per_op.items()} if comm is not None else {},
         "warnings": [str(w.message) for w in caught if "Sharded" in str(w.message)],
         "fsdp_modules": len(getattr(trainer.strategy, "fsdp_modules", [])),
+        "seconds": time.perf_counter() - start,
     }
     if rank == 0:
         torch.save(weights, os.path.join(out, f"{run['name']}.pt"))
@@ -167,16 +170,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--runs", required=True)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.makedirs(a.out, exist_ok=True)
-    for run in json.loads(a.runs):
-        fit(run, a.out, a.devices)
-    collectives.shutdown()
+    fit_each_run(fit, argv)
 
 
 if __name__ == "__main__":
