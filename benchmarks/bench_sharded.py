@@ -38,25 +38,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from bench_cluster import _bytes, _env, _ms, _tx_bytes, cap_label, parse_cap, summarize
+from bench_cluster import Row, _bytes, _env, _ms, _tx_bytes, cap_label, checked_counts, parse_cap, summarize
 
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-@dataclass(frozen=True)
-class Row:
-    key: str
-    label: str
-    strategy: str
-    """'ddp', 'fsdp2' (Lightning's ModelParallelStrategy), 'sharded' or 'sharded_diloco'."""
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-ROWS: dict[str, Row] = {
+ROWS: dict[str, Row] = {  # kind: "ddp", "fsdp2" (Lightning's ModelParallelStrategy), "sharded", "sharded_diloco"
     r.key: r
     for r in [
         Row("ddp", "DDP() (memory reference)", "ddp"),
@@ -94,11 +84,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
-        if getattr(a, name) < low:
-            p.error(f"--{name}={getattr(a, name)} must be >= {low}")
-    a.rows = list(dict.fromkeys(a.rows))
+    a = checked_counts(p, p.parse_args(argv))
     a.caps = [None] if a.same_host else list(dict.fromkeys(a.caps))
     return a
 
@@ -109,13 +95,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def _strategy(row: Row) -> Any:
     import lightning_dist
 
-    if row.strategy == "ddp":
+    if row.kind == "ddp":
         return lightning_dist.DDP()
-    if row.strategy == "fsdp2":
+    if row.kind == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=NODES * PER_NODE, tensor_parallel_size=1)
-    if row.strategy == "sharded_diloco":
+    if row.kind == "sharded_diloco":
         return lightning_dist.ShardedDiLoCo(**row.options)
     return lightning_dist.Sharded(**row.options)
 
@@ -134,7 +120,7 @@ def _module(row: Row) -> Any:
 
         @override
         def configure_model(self) -> None:
-            if row.strategy == "fsdp2":
+            if row.kind == "fsdp2":
                 shard_by_layer(self, self.device_mesh["data_parallel"])
 
         @override
@@ -197,7 +183,7 @@ def worker(a: argparse.Namespace) -> None:
     result = {
         "rank": trainer.global_rank,
         "step_seconds": meter.step_seconds[timed],
-        "counted_bytes": sum(counted) / len(counted) if row.strategy != "fsdp2" else None,
+        "counted_bytes": sum(counted) / len(counted) if row.kind != "fsdp2" else None,
         "wire_bytes": (wire.marks[1] - wire.marks[0]) / a.steps
         if len(wire.marks) == 2 and not a.same_host
         else None,
@@ -357,10 +343,10 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
-    if a.worker is not None:
-        worker(a)
-        return 0
-    return drive(a, argv)
+    if a.worker is None:
+        return drive(a, argv)
+    worker(a)
+    return 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,13 +68,9 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
     options = run.get("options", {})
     sharded = run.get("strategy", "sharded_diloco") == "sharded"
     strategy: Sharded = lightning_dist.Sharded(**options) if sharded else Recorded(**options)
+    length = trainer_length(run, default_steps=6)
     trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        **trainer_length(run, default_steps=6),
-        limit_val_batches=0,
-        deterministic=True,
+        accelerator="cpu", devices=devices, strategy=strategy, deterministic=True, **length
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -98,8 +95,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
             for k in ("syncs", "inner_step", "sync_bytes", "buffer_bytes", "delta_absmax")
         },
     }
-    with open(os.path.join(out, f"{run['name']}.rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    Path(out, f"{run['name']}.rank{rank}.json").write_text(json.dumps(info))
 
 
 def main(argv: list[str] | None = None) -> None:
