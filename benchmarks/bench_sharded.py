@@ -52,13 +52,13 @@ ROWS: dict[str, Row] = {  # kind: "ddp", "fsdp2" (Lightning's ModelParallelStrat
         Row("ddp", "DDP() (memory reference)", "ddp"),
         Row("fsdp2", "Lightning FSDP2, fp32 (reference)", "fsdp2"),
         Row("sharded", "Sharded()", "sharded"),
-        Row("sharded_int8", "Sharded('int8')", "sharded", {"compression": "int8"}),
-        Row("hsdp_int8", "Sharded(replicas=2, replica_sync='int8')", "sharded", {"replicas": 2, "replica_sync": "int8"}),
+        Row("sharded_int8", "Sharded('int8')", "sharded", options={"compression": "int8"}),
+        Row("hsdp_int8", "Sharded(replicas=2, replica_sync='int8')", "sharded", options={"replicas": 2, "replica_sync": "int8"}),
         Row("hsdp_powersgd", "Sharded(replicas=2, replica_sync='powersgd')", "sharded",
-            {"replicas": 2, "replica_sync": "powersgd"}),
-        Row("diloco", "ShardedDiLoCo(inner_steps=32, replicas=2)", "sharded_diloco", {"inner_steps": 32, "replicas": 2}),
+            options={"replicas": 2, "replica_sync": "powersgd"}),
+        Row("diloco", "ShardedDiLoCo(inner_steps=32, replicas=2)", "sharded_diloco", options={"inner_steps": 32, "replicas": 2}),
         Row("diloco_int8", "ShardedDiLoCo(inner_steps=32, replicas=2, compression='int8')", "sharded_diloco",
-            {"inner_steps": 32, "replicas": 2, "compression": "int8"}),
+            options={"inner_steps": 32, "replicas": 2, "compression": "int8"}),
     ]
 }  # fmt: skip
 MEMORY_REFERENCE = "ddp"
