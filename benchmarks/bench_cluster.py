@@ -168,12 +168,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default="mlp", help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    a = checked_counts(p, p.parse_args(argv))
+    a.caps = list(dict.fromkeys(a.caps))
+    return a
+
+
+def checked_counts(p: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.Namespace:
+    """``a`` with --rounds, --steps >= 1 and --warmup >= 0 checked (else ``p.error``) and --rows
+    without repeats."""
     for name, low in (("rounds", 1), ("steps", 1), ("warmup", 0)):
         if getattr(a, name) < low:
             p.error(f"--{name}={getattr(a, name)} must be >= {low}")
     a.rows = list(dict.fromkeys(a.rows))
-    a.caps = list(dict.fromkeys(a.caps))
     return a
 
 

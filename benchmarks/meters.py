@@ -77,3 +77,37 @@ class StepMeter(L.Callback):
     ) -> None:
         self.step_seconds.append(time.perf_counter() - self._start)
         self.step_bytes.append(_bytes_sent(trainer) - self._sent)
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of ``t``: a DTensor's local shard, any other tensor whole."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.numel() * local.element_size())
+
+
+class StateBytes(L.Callback):
+    """Bytes this rank holds for training, at the last optimizer step (gradients still there):
+    parameters, gradients and optimizer state (each DTensor counted by its local shard), and the
+    strategy's own per-rank copies (DiLoCo's last-sync parameters and outer momentum, the latter
+counted from the start: it exists from the first sync on)."""
+
+    def __init__(self) -> None:
+        self.params = self.grads = self.optimizer = self.strategy = 0
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        params = list(pl_module.parameters())
+        self.params = sum(_local_bytes(p) for p in params)
+        self.grads = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+        self.optimizer = sum(
+            _local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        )
+        outer = getattr(trainer.strategy, "outer", None)
+        if outer is not None:  # the momentum, made at the first sync, is as large as the anchors
+            copies = 2 if getattr(trainer.strategy, "outer_momentum", 0) > 0 else 1
+            self.strategy = copies * sum(_local_bytes(a) for a in outer.anchors)
+
+    def summary(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "strategy": self.strategy}

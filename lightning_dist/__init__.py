@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+    from lightning_dist.strategies.sharded import Sharded
+    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
 __all__ = [
     "DDP",
@@ -32,11 +34,13 @@ __all__ = [
     "ElasticDiLoCo",
     "Horovod",
     "HorovodAdasum",
+    "Sharded",
+    "ShardedDiLoCo",
     "collectives",
 ]
 __version__ = "0.2.0"
 
-_STRATEGIES = ("DDP", "Compressed", "DiLoCo", "Elastic", "ElasticDiLoCo", "Horovod", "HorovodAdasum")
+_STRATEGIES = tuple(name for name in __all__ if name != "collectives")
 
 
 def __getattr__(name: str) -> Any:

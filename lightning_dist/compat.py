@@ -14,8 +14,15 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import lightning
+from lightning.fabric.strategies.model_parallel import (
+    _distributed_checkpoint_load,
+    _distributed_checkpoint_save,
+)
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -27,10 +34,15 @@ __all__ = [
     "PRIVATE_ATTRIBUTES",
     "TESTED",
     "_IS_INTERACTIVE",
+    "_METADATA_FILENAME",
     "_PATH",
     "_MultiProcessingLauncher",
     "_SubprocessScriptLauncher",
+    "_distributed_checkpoint_load",
+    "_distributed_checkpoint_save",
     "_init_dist_connection",
+    "_materialize_distributed_module",
+    "_optimizers_to_device",
     "check_versions",
     "checkpoint_batch_progress",
     "disable_distributed_sampler",
@@ -57,6 +69,10 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "DDPStrategy._start_method",
     "DDPStrategy._timeout",  # the process group timeout: DDP's init_process_group, Elastic's store
     "Strategy._launcher",
+    "ModelParallelStrategy._setup_distributed",  # Sharded: the process group, before its own mesh
+    "ModelParallelStrategy._device_mesh",  # Sharded: its (replicate, shard) mesh
+    "ModelParallelStrategy._save_distributed_checkpoint",
+    "LightningModule._device_mesh",  # what configure_model reads as self.device_mesh
     "_MultiProcessingLauncher._start_method",
     "LightningModule._trainer",
     "LightningModule._current_fx_name",

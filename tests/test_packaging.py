@@ -204,13 +204,14 @@ def test_package_metadata_and_files() -> None:
 
 def test_every_private_lightning_attribute_the_pack_uses_still_exists() -> None:
     """compat.PRIVATE_ATTRIBUTES against the installed Lightning: fails when one of them is gone."""
-    from lightning.pytorch.strategies import DDPStrategy, Strategy
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Strategy
 
     strategy = DDPStrategy(accelerator=None)
     trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     module = lightning.LightningModule()
     objects = {
         "DDPStrategy": strategy,
+        "ModelParallelStrategy": ModelParallelStrategy(),
         "Strategy": strategy,
         "_MultiProcessingLauncher": compat._MultiProcessingLauncher(strategy, start_method="fork"),
         "LightningModule": module,

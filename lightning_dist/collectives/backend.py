@@ -112,6 +112,19 @@ class Backend(ABC):
     def all_gather(self, tensor: Tensor) -> Future:
         """Gather equal-shaped tensors; future -> list of tensors in rank order."""
 
+    def all_gather_into(self, output: Tensor, tensor: Tensor) -> Future:
+        """Gather equal-shaped tensors into ``output`` (W times ``tensor``'s elements, rank after
+        rank): FSDP2's parameter all-gather. By default through ``all_gather`` and a copy; a
+        backend with a native one overrides it. Future -> output."""
+        chunks = output.view(self.world_size, -1).unbind(0)
+
+        def _copy(fut: Future) -> Tensor:
+            for chunk, part in zip(chunks, fut.value(), strict=True):
+                chunk.copy_(part.reshape(-1))
+            return output
+
+        return self.all_gather(tensor).then(_copy)
+
     @abstractmethod
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
         """``output`` on rank r becomes op-reduce of every rank's ``inputs[r]``; future -> output."""

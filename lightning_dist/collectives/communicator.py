@@ -330,6 +330,28 @@ class Communicator:
         n = (w - 1) * _nbytes(tensor)
         return self._post("all_gather", n, n, lambda: backend.all_gather(tensor), _describe(tensor))
 
+    def all_gather_into_async(self, output: Tensor, tensor: Tensor) -> Future:
+        """Gather every rank's ``tensor`` (equal shapes) into ``output``, W times its elements, rank
+        after rank (FSDP2's all-gather of a parameter group); counted as ``all_gather``."""
+        w = self.world_size
+        if output.numel() != w * tensor.numel():
+            raise ValueError(
+                f"all_gather_into: output has {output.numel()} elements; it needs world size x input = "
+                f"{w} x {tensor.numel()}"
+            )
+        if w == 1:
+            output.copy_(tensor.reshape(output.shape))
+            return completed_future(output)
+        backend = self.backend
+        n = (w - 1) * _nbytes(tensor)
+        return self._post(
+            "all_gather", n, n, lambda: backend.all_gather_into(output, tensor), _describe(tensor)
+        )
+
+    def all_gather_into(self, output: Tensor, tensor: Tensor) -> Tensor:
+        fut = self.all_gather_into_async(output, tensor)
+        return self._wait(fut, "all_gather", _describe(tensor))
+
     def all_gather(self, tensor: Tensor, same_shape: bool = False) -> list[Tensor]:
         """Gather from every rank, in rank order.
 

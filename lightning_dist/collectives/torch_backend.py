@@ -220,6 +220,13 @@ class TorchBackend(Backend):
         return _all_then(works, lambda: outputs)
 
     @override
+    def all_gather_into(self, output: Tensor, tensor: Tensor) -> Future:
+        if self.device_type != "cuda":
+            return super().all_gather_into(output, tensor)  # Gloo: in pieces (module docstring)
+        work = self.group._allgather_base(output, tensor)
+        return _then(work, lambda: output)
+
+    @override
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
         if op == "avg":
             # Divide first, then sum, as in all_reduce.

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+    from lightning_dist.strategies.sharded import Sharded
+    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
 _CLASSES = {
     "DDP": "ddp",
@@ -24,6 +26,8 @@ _CLASSES = {
     "ElasticMixin": "elastic",
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
+    "Sharded": "sharded",
+    "ShardedDiLoCo": "sharded_diloco",
 }
 """Each class and the module of this package that defines it."""
 
@@ -36,6 +40,8 @@ __all__ = [
     "ElasticMixin",
     "Horovod",
     "HorovodAdasum",
+    "Sharded",
+    "ShardedDiLoCo",
 ]
 
 

@@ -25,7 +25,7 @@ Validation inside ``fit`` sees each rank's current weights (the local ones betwe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -36,8 +36,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor, make_compressor
+from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
@@ -105,6 +107,33 @@ def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[int]]:
     return groups
 
 
+def average_pseudo_gradients(
+    comm: Communicator, compressor: Compressor, deltas: list[Tensor]
+) -> list[Tensor]:
+    """The average of ``deltas`` over ``comm``'s ranks through ``compressor`` (one exchange per
+    dtype, keyed ``diloco.<dtype>``): DiLoCo's pseudo-gradients, over all ranks or (``ShardedDiLoCo``)
+    over the ranks holding the same shard."""
+    out: list[Optional[Tensor]] = [None] * len(deltas)
+    for dtype, indices in _by_dtype(deltas).items():
+        ex = compressor.exchange(
+            f"diloco.{dtype}",
+            [deltas[i] for i in indices],
+            world_size=comm.world_size,
+            rank=comm.rank,
+        )
+        if comm.world_size == 1:
+            result = ex.run_local()
+        else:
+            run_exchanges(comm, [[ex]]).wait()
+            assert ex.result is not None
+            result = ex.result
+            if result[0].is_cuda:  # the exchange's kernels ran on other streams
+                torch.cuda.synchronize(result[0].device)
+        for i, t in zip(indices, result, strict=True):
+            out[i] = t
+    return [t for t in out if t is not None]
+
+
 def _unregistered_name(module: nn.Module, param: Tensor) -> Optional[str]:
     """Where ``param`` sits in ``module`` outside its registered parameters: a plain tensor attribute
     (``"scale"``), or a module or tensor in a plain list, tuple or dict attribute (``"blocks[1].weight"``)."""
@@ -150,7 +179,89 @@ def foreign_parameter_message(
     )
 
 
-class DiLoCo(RankStateMixin, DDP):
+def inner_parameters(owner: str, module: nn.Module, optimizers: Sequence[Any]) -> list[tuple[str, Tensor]]:
+    """(name, parameter) of every parameter the one (inner) optimizer steps, each once, in its order;
+    a ValueError for several optimizers or a parameter that is not one of ``module``'s."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"{owner} needs exactly one optimizer (the inner one), configure_optimizers returned "
+            f"{len(optimizers)}"
+        )
+    names = {id(p): n for n, p in module.named_parameters()}
+    named: list[tuple[str, Tensor]] = []
+    seen: set[int] = set()
+    for group_index, group in enumerate(optimizers[0].param_groups):
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            if id(p) not in names:
+                raise ValueError(foreign_parameter_message(module, p, group_index, group))
+            seen.add(id(p))
+            named.append((names[id(p)], p))
+    return named
+
+
+class DiLoCoLoop(CollectiveOpsMixin):
+    """DiLoCo's schedule, shared by ``DiLoCo`` and ``ShardedDiLoCo``: the counters, a sync every
+    ``inner_steps`` optimizer steps, and the sync itself (pseudo-gradients averaged over
+    ``pseudo_gradient_comm()``, the outer step, buffers averaged over all ranks). Put it before the
+    strategy's base; the strategy sets ``outer`` and ``compressor``."""
+
+    outer: Optional[OuterSGD]
+    compressor: Compressor
+
+    def _init_loop(
+        self, inner_steps: int, outer_lr: float, outer_momentum: float, nesterov: bool, sync_buffers: bool
+    ) -> None:
+        self.inner_steps = inner_steps
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.nesterov = nesterov
+        self.sync_buffers = sync_buffers
+        self.outer = None
+        self.inner_step = 0
+        """Optimizer steps since the last sync."""
+        self.syncs = 0
+        """Syncs so far (over the whole run, resumed ones included)."""
+        self.sync_bytes = 0
+        """Bytes this rank sent for the pseudo-gradients in this process's syncs (communicator counters)."""
+        self.buffer_bytes = 0
+        """Bytes this rank sent for the buffers in this process's syncs."""
+
+    def pseudo_gradient_comm(self) -> Communicator:
+        """Over whom the pseudo-gradients are averaged: every rank (``DiLoCo``)."""
+        return self._transport()
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
+    ) -> Any:
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.inner_step += 1
+        if self.inner_step >= self.inner_steps:
+            self.sync()
+        return result
+
+    def sync(self) -> None:
+        """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
+        outer = self.outer
+        assert outer is not None, f"{type(self).__name__}.sync: setup() has not run"
+        comm = self.pseudo_gradient_comm()
+        stats = comm.stats
+        before = stats.bytes_sent
+        outer.step(average_pseudo_gradients(comm, self.compressor, outer.pseudo_gradients()))
+        middle = stats.bytes_sent
+        if self.sync_buffers and self.lightning_module is not None:
+            buffers = _persistent_float_buffers(self.lightning_module)
+            for indices in _by_dtype(buffers).values():
+                self._transport().all_reduce([buffers[i] for i in indices], "avg")
+        self.sync_bytes += middle - before
+        self.buffer_bytes += stats.bytes_sent - middle
+        self.inner_step = 0
+        self.syncs += 1
+
+
+class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
     """DiLoCo: ``inner_steps`` local optimizer steps per rank, then an averaged outer Nesterov step.
 
     Args:
@@ -198,20 +309,7 @@ class DiLoCo(RankStateMixin, DDP):
             timeout=timeout,
             start_method=start_method,  # type: ignore[arg-type]
         )
-        self.inner_steps = inner_steps
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.nesterov = nesterov
-        self.sync_buffers = sync_buffers
-        self.outer: Optional[OuterSGD] = None
-        self.inner_step = 0
-        """Optimizer steps since the last sync."""
-        self.syncs = 0
-        """Syncs so far (over the whole run, resumed ones included)."""
-        self.sync_bytes = 0
-        """Bytes this rank sent for the pseudo-gradients in this process's syncs (communicator counters)."""
-        self.buffer_bytes = 0
-        """Bytes this rank sent for the buffers in this process's syncs."""
+        self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._restored_per_rank = False
 
     @classmethod
@@ -238,79 +336,11 @@ class DiLoCo(RankStateMixin, DDP):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"DiLoCo needs exactly one optimizer (the inner one), configure_optimizers returned "
-                f"{len(self.optimizers)}"
-            )
-        module = self.lightning_module
-        assert module is not None
-        names = {id(p): n for n, p in module.named_parameters()}
-        named: list[tuple[str, Tensor]] = []
-        seen: set[int] = set()
-        for group_index, group in enumerate(self.optimizers[0].param_groups):
-            for p in group["params"]:
-                if id(p) in seen:
-                    continue
-                if id(p) not in names:
-                    raise ValueError(foreign_parameter_message(module, p, group_index, group))
-                seen.add(id(p))
-                named.append((names[id(p)], p))
+        assert self.lightning_module is not None
+        named = inner_parameters("DiLoCo", self.lightning_module, self.optimizers)
         self.outer = OuterSGD(named, self.outer_lr, self.outer_momentum, self.nesterov)
         self.inner_step = self.syncs = 0  # a checkpoint's counters are loaded after setup
         self.sync_bytes = self.buffer_bytes = 0
-
-    # -- inner steps and syncs ----------------------------------------------------------------------
-    @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
-    ) -> Any:
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.inner_step += 1
-        if self.inner_step >= self.inner_steps:
-            self.sync()
-        return result
-
-    def sync(self) -> None:
-        """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
-        outer = self.outer
-        assert outer is not None, "DiLoCo.sync: setup() has not run"
-        comm = self._transport()
-        stats = comm.stats
-        before = stats.bytes_sent
-        outer.step(self._average(outer.pseudo_gradients()))
-        middle = stats.bytes_sent
-        if self.sync_buffers and self.lightning_module is not None:
-            buffers = _persistent_float_buffers(self.lightning_module)
-            for indices in _by_dtype(buffers).values():
-                comm.all_reduce([buffers[i] for i in indices], "avg")
-        self.sync_bytes += middle - before
-        self.buffer_bytes += stats.bytes_sent - middle
-        self.inner_step = 0
-        self.syncs += 1
-
-    def _average(self, deltas: list[Tensor]) -> list[Tensor]:
-        """The ranks' average of ``deltas`` through the compressor (one exchange per dtype)."""
-        comm = self._transport()
-        out: list[Optional[Tensor]] = [None] * len(deltas)
-        for dtype, indices in _by_dtype(deltas).items():
-            ex = self.compressor.exchange(
-                f"diloco.{dtype}",
-                [deltas[i] for i in indices],
-                world_size=comm.world_size,
-                rank=comm.rank,
-            )
-            if comm.world_size == 1:
-                result = ex.run_local()
-            else:
-                run_exchanges(comm, [[ex]]).wait()
-                assert ex.result is not None
-                result = ex.result
-                if result[0].is_cuda:  # the exchange's kernels ran on other streams
-                    torch.cuda.synchronize(result[0].device)
-            for i, t in zip(indices, result, strict=True):
-                out[i] = t
-        return [t for t in out if t is not None]
 
     # -- checkpoints: every rank's model and inner optimizer state, and the outer state --------------
     def _own_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:

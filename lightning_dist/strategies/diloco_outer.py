@@ -6,12 +6,15 @@
     outer.step(averaged)                   # SGD (Nesterov) step on the last-sync params; copied into the model
 
 The last-sync parameters are kept in at least float32 (a bf16 model's updates are not rounded away).
+Over a sharded model (FSDP2's DTensor parameters) ``local`` maps each parameter to the tensor the
+outer step works on, this rank's shard (``ShardedDiLoCo``: ``DTensor.to_local``); by default the
+parameter itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -27,22 +30,36 @@ class OuterSGD:
     Args:
         named_params: (name, parameter) of every parameter DiLoCo syncs, in a fixed order.
         lr, momentum, nesterov: the outer SGD's; Nesterov with ``momentum=0`` is plain SGD.
+        local: the tensor of a parameter that the outer step reads and writes in place (called under
+            ``no_grad`` at every use, so it may return a fresh view); None: the parameter.
     """
 
     def __init__(
-        self, named_params: Sequence[tuple[str, Tensor]], lr: float, momentum: float, nesterov: bool
+        self,
+        named_params: Sequence[tuple[str, Tensor]],
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        local: Optional[Callable[[Tensor], Tensor]] = None,
     ) -> None:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.anchors = [p.detach().to(_outer_dtype(p.dtype), copy=True) for p in self.params]
+        self.local = local
+        with torch.no_grad():
+            self.anchors = [t.detach().to(_outer_dtype(t.dtype), copy=True) for t in self.tensors()]
         self.optimizer = torch.optim.SGD(
             self.anchors, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0
         )
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors the outer step works on: ``local`` of each parameter (call under ``no_grad``)."""
+        local = self.local
+        return list(self.params) if local is None else [local(p) for p in self.params]
+
     def pseudo_gradients(self) -> list[Tensor]:
         """last-sync params - current params (this rank's outer gradient), in the anchors' dtype."""
         with torch.no_grad():
-            return [a - p.detach().to(a.dtype) for a, p in zip(self.anchors, self.params, strict=True)]
+            return [a - p.detach().to(a.dtype) for a, p in zip(self.anchors, self.tensors(), strict=True)]
 
     def step(self, averaged: Sequence[Tensor]) -> None:
         """One outer SGD step with the ranks' averaged pseudo-gradients; the model takes the result."""
@@ -56,7 +73,7 @@ class OuterSGD:
     def copy_to_model(self) -> None:
         """Set the model's parameters to the last-sync ones."""
         with torch.no_grad():
-            for p, a in zip(self.params, self.anchors, strict=True):
+            for p, a in zip(self.tensors(), self.anchors, strict=True):
                 p.copy_(a)
 
     def state_dict(self) -> dict[str, Any]:

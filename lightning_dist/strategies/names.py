@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.import_hook import when_imported
-from lightning_dist.strategies.options import DILOCO_COMPRESSIONS, HOROVOD_COMPRESSIONS
+from lightning_dist.strategies.options import DILOCO_COMPRESSIONS, HOROVOD_COMPRESSIONS, SHARDED_COMPRESSIONS
 from lightning_dist.strategies.registry import LazyStrategy, register
 
 __all__ = ["NAMES", "Name", "register_class", "register_names", "register_on_import"]
@@ -32,6 +32,8 @@ ELASTIC = f"{_PACKAGE}.elastic.Elastic"
 ELASTIC_DILOCO = f"{_PACKAGE}.elastic.ElasticDiLoCo"
 HOROVOD = f"{_PACKAGE}.horovod.Horovod"
 HOROVOD_ADASUM = f"{_PACKAGE}.horovod_adasum.HorovodAdasum"
+SHARDED = f"{_PACKAGE}.sharded.Sharded"
+SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,24 @@ def _names() -> list[Name]:
             "horovod_adasum",
         )
     )
+    names.append(
+        Name("ld_sharded", SHARDED, "FSDP2 sharding over every rank, the pack's reduce-scatter (fp32)")
+    )
+    for wire in SHARDED_COMPRESSIONS[1:]:
+        description = f"FSDP2 sharding with a {wire} reduce-scatter"
+        names.append(Name(f"ld_sharded_{wire}", SHARDED, description, init_params={"compression": wire}))
+    names.append(
+        Name(
+            "ld_sharded_diloco",
+            SHARDED_DILOCO,
+            "DiLoCo over FSDP2 shards: replica groups exchange their shards' pseudo-gradients",
+        )
+    )
+    for wire in DILOCO_COMPRESSIONS[1:]:
+        description = f"DiLoCo over FSDP2 shards with {wire} pseudo-gradients on the wire"
+        names.append(
+            Name(f"ld_sharded_diloco_{wire}", SHARDED_DILOCO, description, init_params={"compression": wire})
+        )
     return names
 
 

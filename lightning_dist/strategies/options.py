@@ -39,12 +39,15 @@ __all__ = [
     "HOROVOD_COMPRESSIONS",
     "HOROVOD_OPS",
     "PROCESS_GROUP_BACKENDS",
+    "SHARDED_COMPRESSIONS",
+    "SHARDED_REDUCE_OPS",
     "START_METHODS",
     "DDPOptions",
     "DiLoCoOptions",
     "ElasticOptions",
     "HorovodOptions",
     "LaunchOptions",
+    "ShardedOptions",
     "check_bool",
     "check_choice",
     "check_positive",
@@ -66,6 +69,10 @@ HOROVOD_OPS = ("avg", "sum")
 HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
 DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
 """Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
+SHARDED_COMPRESSIONS = (None, "bf16", "fp16", "int8")
+"""How ``Sharded`` reduce-scatters gradients inside a shard group (None: fp32, uncompressed)."""
+SHARDED_REDUCE_OPS = ("avg", "adasum")
+"""How ``Sharded`` combines the replica groups' shard gradients (HSDP)."""
 
 T = TypeVar("T")
 
@@ -210,3 +217,42 @@ class HorovodOptions:
         lr_scale = self.lr_scale
         if not (lr_scale == "auto" or (isinstance(lr_scale, (int, float)) and lr_scale > 0)):
             raise ValueError(f"lr_scale={lr_scale!r}; accepted: 'auto' or a number > 0")
+
+
+@dataclass
+class ShardedOptions:
+    """``Sharded``'s own options: how gradients cross the shard group and the replica groups."""
+
+    compression: Optional[str] = None
+    """The reduce-scatter inside a shard group: None (fp32, what FSDP2 sends), ``"bf16"``, ``"fp16"``
+    (cast, reduce-scatter, cast back) or ``"int8"`` (per-block absmax scales, ZeRO++'s qgZ)."""
+    int8_block_size: int = 1024
+    """Elements per int8 quantisation block (one fp32 scale each)."""
+    error_feedback: bool = False
+    """int8 only: keep what quantisation dropped and add it to the next step's gradient (a residual
+    the size of the unsharded gradients per rank)."""
+    replicas: int = 1
+    """Replica groups (HSDP's replicate degree); 1 is plain FSDP over all ranks. Must divide the
+    world size; each replica group shards the model over world_size / replicas ranks."""
+    replica_sync: Any = "none"
+    """How the replica groups average their shard gradients: a compressor name of
+    ``lightning_dist.compression.COMPRESSORS`` or a ``Compressor`` (checked where it is built)."""
+    reduce_op: str = "avg"
+    """``"avg"``, or ``"adasum"`` (gradient-space Adasum of the replica groups' shard gradients,
+    with ``replica_sync`` ``"none"``, ``"fp16"`` or ``"bf16"``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.compression, str):
+            self.compression = (
+                None if self.compression.lower() in ("none", "fp32") else self.compression.lower()
+            )
+        check_choice("compression", self.compression, SHARDED_COMPRESSIONS)
+        check_int("int8_block_size", self.int8_block_size, 1)
+        check_bool("error_feedback", self.error_feedback)
+        if self.error_feedback and self.compression != "int8":
+            raise ValueError(
+                f"error_feedback=True needs compression='int8' (got compression={self.compression!r}); "
+                "accepted: error_feedback=False, or compression='int8'"
+            )
+        check_int("replicas", self.replicas, 1)
+        self.reduce_op = op_name(self.reduce_op, SHARDED_REDUCE_OPS, argument="reduce_op", default="avg")

@@ -15,18 +15,15 @@ strategy's sync counters, the collectives counters) and, when asked, ``<name>.ra
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 from typing import Any
 
 import lightning as L
 import torch
 from rank_io import RecordBatches, save_fitted
-from run_options import resume_path, trainer_length
+from run_options import fit_each_run, resume_path, trainer_length
 
 import lightning_dist
-from lightning_dist import collectives
 from lightning_dist.strategies.diloco import CHECKPOINT_KEY
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
@@ -104,16 +101,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--runs", required=True)
-    p.add_argument("--devices", type=int, default=2)
-    a = p.parse_args(argv)
-    torch.set_num_threads(1)
-    os.makedirs(a.out, exist_ok=True)
-    for run in json.loads(a.runs):
-        fit(run, a.out, a.devices)
-    collectives.shutdown()
+    fit_each_run(fit, argv)
 
 
 if __name__ == "__main__":

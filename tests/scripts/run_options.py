@@ -3,9 +3,15 @@ description: how long it trains and in which precision, and the checkpoint it re
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+
+from lightning_dist import collectives
 
 
 def trainer_length(run: dict[str, Any], default_steps: int) -> dict[str, Any]:
@@ -35,3 +41,18 @@ def without_entry(ckpt: str, key: str, rank: int) -> str:
     copy = f"{ckpt}.dropped{rank}"
     torch.save(loaded, copy)
     return copy
+
+
+def fit_each_run(fit: Callable[[dict[str, Any], str, int], None], argv: Optional[list[str]] = None) -> None:
+    """The multi-run scripts' ``main``: ``--out DIR --runs JSON [--devices N]``; ``fit(run, out,
+    devices)`` for each run in turn, in these processes, then the transport's shutdown."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.makedirs(a.out, exist_ok=True)
+    for run in json.loads(a.runs):
+        fit(run, a.out, a.devices)
+    collectives.shutdown()

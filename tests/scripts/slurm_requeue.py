@@ -23,8 +23,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from rank_io import save_fitted
-from script_setup import cpu_trainer
+from rank_io import cpu_trainer, save_fitted
 from torch import Tensor
 from torch.utils.data import DataLoader, Subset
 
