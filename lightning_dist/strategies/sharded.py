@@ -175,6 +175,9 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
+
+        check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         world = self.num_nodes * self.num_processes
         replicas = self.options.replicas
         if world % replicas:
