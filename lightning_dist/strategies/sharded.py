@@ -119,6 +119,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self.reduce_scatters: list[PackReduceScatter] = []
         """One per FSDP parameter group, in ``fsdp_modules`` order (they hold the int8 residuals)."""
         self.fsdp_modules: list[FSDPModule] = []
+        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
@@ -242,6 +243,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 "them (mesh=self.device_mesh['shard']) in configure_model, or leave configure_model "
                 "without fully_shard calls for the default per-layer policy"
             )
+        # units without parameters of their own (a stack whose blocks are units) communicate nothing
+        modules = [m for m in modules if m._get_fsdp_state()._fsdp_param_groups]
         self.fsdp_modules = modules
         self.reduce_scatters = []
         for index, module in enumerate(modules):
