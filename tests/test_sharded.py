@@ -153,7 +153,10 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
     for run in runs:
         run["steps"] = STEPS
     resume = {"options": {"compression": "int8", "error_feedback": True}, "batches_per_epoch": 4}
+    accumulate = {"accumulate": 2, "steps": 6}
     runs += [
+        {"name": "model_parallel_acc", "strategy": "model_parallel", "model": "lm_user", **accumulate},
+        {"name": "none_acc", **accumulate},
         {"name": "uninterrupted", "epochs": 2, **resume},
         {"name": "first_half", "epochs": 1, "save": str(ckpt), **resume},
         {"name": "resumed", "epochs": 2, "resume": str(ckpt), **resume},
@@ -213,6 +216,7 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
     reference = weights(two_ranks, "model_parallel")
     assert_equal(weights(two_ranks, "user_policy"), reference)
     assert_equal(weights(two_ranks, "none"), reference)
+    assert_equal(weights(two_ranks, "none_acc"), weights(two_ranks, "model_parallel_acc"))  # 2 micro-batches
     ddp = weights(two_ranks, "ddp")
     for k in reference:
         torch.testing.assert_close(ddp[k], reference[k], rtol=1e-5, atol=1e-6)
