@@ -18,10 +18,14 @@ import pytest
 import torch
 from helpers import SCRIPTS, run_script
 from torch import nn
+from torch.distributed import ReduceOp
 
-from lightning_dist.compression import Exchange, simulate
+from lightning_dist.collectives import Communicator
+from lightning_dist.compression import Exchange, make_compressor, simulate
 from lightning_dist.compression.int8 import QMAX
 from lightning_dist.compression.reduce_scatter import int8_reduce_scatter, int8_reduce_scatter_bytes
+from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
+from lightning_dist.testing import run_in_threads
 
 SCRIPT = str(SCRIPTS / "sharded_run.py")
 MLP_SIZES = (12, 40, 24, 3)
@@ -127,6 +131,93 @@ def test_int8_reduce_scatter_bytes_are_a_quarter_plus_scales() -> None:
     assert int8_reduce_scatter_bytes(numel, w, block) / fp32 == pytest.approx(0.25 * (1 + 4 / block))
 
 
+# -- the FSDP2 comms over real Gloo groups (threads, no processes) -----------------------------------
+class _Group:
+    """What FSDP2 hands a comm as ``group``: only its size is read."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_into_fills_the_output_rank_after_rank(world_size: int) -> None:
+    def body(comm: Communicator) -> tuple[torch.Tensor, dict[str, float]]:
+        out = torch.empty(world_size * 5)
+        PackAllGather(comm)(out, torch.arange(5.0) + 10 * comm.rank, _Group(world_size))
+        return out, comm.stats.snapshot()
+
+    expected = torch.cat([torch.arange(5.0) + 10 * r for r in range(world_size)])
+    for out, snap in run_in_threads(world_size, body):
+        assert torch.equal(out, expected)
+        assert snap["all_gather.bytes_sent"] == (world_size - 1) * 5 * 4
+
+
+@pytest.mark.parametrize("compression", [None, "bf16", "fp16", "int8"])
+@pytest.mark.parametrize("op", [ReduceOp.AVG, ReduceOp.SUM])
+def test_pack_reduce_scatter_reduces_each_ranks_chunk(compression: str | None, op: Any) -> None:
+    """Rank r ends with the average (or sum) of every rank's chunk r: fp32 exactly (sum, then the
+    division), bf16/fp16 within their rounding of each input and of the sum, int8 within the bound of
+    ``test_int8_reduce_scatter_is_within_half_a_step_per_rank``."""
+    w, n = 3, 40
+    inputs = [torch.randn(w * n, generator=torch.Generator().manual_seed(r)) for r in range(w)]
+
+    def body(comm: Communicator) -> torch.Tensor:
+        out = torch.empty(n)
+        PackReduceScatter(comm, compression, block_size=16)(out, inputs[comm.rank].clone(), _Group(w), op)
+        return out
+
+    total = torch.stack(inputs).sum(dim=0).view(w, n)
+    exact = total / w if op == ReduceOp.AVG else total
+    tolerance = {None: 0.0, "bf16": 3e-2, "fp16": 4e-3, "int8": 4e-2}[compression]
+    for rank, out in enumerate(run_in_threads(w, body)):
+        torch.testing.assert_close(
+            out, exact[rank], rtol=0, atol=tolerance * (1 if op == ReduceOp.AVG else w)
+        )
+
+
+def test_pack_reduce_scatter_refuses_a_custom_divide_factor() -> None:
+    def body(comm: Communicator) -> None:
+        PackReduceScatter(comm)(torch.empty(1), torch.ones(2), _Group(2), ReduceOp.MAX)
+
+    with pytest.raises(RuntimeError, match="accepts AVG and SUM only"):
+        run_in_threads(2, body)
+
+
+@pytest.mark.parametrize("sync", ["none", "int8", "powersgd", "adasum"])
+def test_replica_sync_averages_the_shard_over_replicas(sync: str) -> None:
+    """The flat shard gradient (two parameters, the second with a padded row) of two replicas: the
+    average for "none" (exactly), int8 (within half a step), PowerSGD at rank 1 (the average is of
+    rank 1: exact up to rounding; the per-parameter shapes reach it), Adasum of orthogonal shards
+    their sum."""
+    shards = [(0, torch.Size([4, 3])), (12, torch.Size([1, 3]))]  # the second padded to 2 rows
+
+    def grad(rank: int) -> torch.Tensor:
+        flat = torch.zeros(18)
+        flat[rank * 6 : rank * 6 + 6] = 1.0 + rank  # rank 0: rows 0-1, rank 1: rows 2-3 of the first
+        flat[12:15] = 0.5
+        return flat
+
+    def body(comm: Communicator) -> torch.Tensor:
+        options = {"rank": 1, "min_compression_rate": 0} if sync == "powersgd" else {}
+        compressor = make_compressor("none" if sync == "adasum" else sync, **options)
+        flat = grad(comm.rank)
+        ReplicaSync(comm, compressor, "fsdp0", shards, adasum=sync == "adasum")(flat)
+        return flat
+
+    results = run_in_threads(2, body)
+    assert torch.equal(results[0], results[1])
+    expected = (grad(0) + grad(1)) / 2
+    if sync == "adasum":  # orthogonal first parameters add up; equal second ones stay
+        expected = grad(0) + grad(1)
+        expected[12:15] = 0.5
+        expected[15:] = 0.0
+    atol = {"none": 0.0, "adasum": 1e-6, "int8": 2e-2, "powersgd": 1e-6}[sync]
+    torch.testing.assert_close(results[0], expected, rtol=0, atol=atol)
+
+
 # -- 2 processes ---------------------------------------------------------------------------------------
 BUDGET = 140
 """Seconds for one launch (about 50 s for the 2-process one on 2 shared cores); the slow tests have
@@ -153,7 +244,10 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
     for run in runs:
         run["steps"] = STEPS
     resume = {"options": {"compression": "int8", "error_feedback": True}, "batches_per_epoch": 4}
+    accumulate = {"accumulate": 2, "steps": 6}
     runs += [
+        {"name": "model_parallel_acc", "strategy": "model_parallel", "model": "lm_user", **accumulate},
+        {"name": "none_acc", **accumulate},
         {"name": "uninterrupted", "epochs": 2, **resume},
         {"name": "first_half", "epochs": 1, "save": str(ckpt), **resume},
         {"name": "resumed", "epochs": 2, "resume": str(ckpt), **resume},
@@ -213,11 +307,12 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
     reference = weights(two_ranks, "model_parallel")
     assert_equal(weights(two_ranks, "user_policy"), reference)
     assert_equal(weights(two_ranks, "none"), reference)
+    assert_equal(weights(two_ranks, "none_acc"), weights(two_ranks, "model_parallel_acc"))  # 2 micro-batches
     ddp = weights(two_ranks, "ddp")
     for k in reference:
         torch.testing.assert_close(ddp[k], reference[k], rtol=1e-5, atol=1e-6)
     facts = info(two_ranks, "none")
-    assert facts["fsdp_modules"] == 7  # embed, 2 blocks, the encoder, norm, head, the root (pos)
+    assert facts["fsdp_modules"] == 6  # embed, 2 blocks, norm, head, the root (pos); the encoder holds none
     by_op = facts["bytes_by_op"]
     # every gradient is reduce-scattered; every parameter is gathered for forward and again for
     # backward but the root's (pos: 32 x 32 fp32, half of it sent per gather), which FSDP2 keeps

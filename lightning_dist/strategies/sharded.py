@@ -119,6 +119,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self.reduce_scatters: list[PackReduceScatter] = []
         """One per FSDP parameter group, in ``fsdp_modules`` order (they hold the int8 residuals)."""
         self.fsdp_modules: list[FSDPModule] = []
+        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
@@ -175,6 +176,9 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
+
+        check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         world = self.num_nodes * self.num_processes
         replicas = self.options.replicas
         if world % replicas:
@@ -183,16 +187,16 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 f"{', '.join(str(r) for r in range(1, world + 1) if world % r == 0)}"
             )
         self._setup_distributed()  # Lightning's: accelerator, ranks, process group
-        self._device_mesh = self._build_mesh()
+        if self._device_mesh is None:  # once: a later fit or validate keeps the groups its modules use
+            mesh = self._device_mesh = self._build_mesh()
+            world_comm = Communicator(TorchBackend())
+            self._set_communicator(world_comm)
+            stats = world_comm.stats  # one set of counters for every group
+            self._shard_comm = Communicator(TorchBackend(mesh.get_group("shard")), stats)
+            self._replica_comm = Communicator(TorchBackend(mesh.get_group("replicate")), stats)
+            logger.debug("Sharded: rank %d, mesh %s", self.global_rank, mesh)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
-        mesh = self._device_mesh
-        world_comm = Communicator(TorchBackend())
-        self._set_communicator(world_comm)
-        stats = world_comm.stats  # one set of counters for every group
-        self._shard_comm = Communicator(TorchBackend(mesh.get_group("shard")), stats)
-        self._replica_comm = Communicator(TorchBackend(mesh.get_group("replicate")), stats)
-        logger.debug("Sharded: rank %d, mesh %s", self.global_rank, mesh)
 
     def _build_mesh(self) -> DeviceMesh:
         """(replicate, shard), plus both flattened as ``"data_parallel"`` (the sampler's split)."""
@@ -239,11 +243,19 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 "them (mesh=self.device_mesh['shard']) in configure_model, or leave configure_model "
                 "without fully_shard calls for the default per-layer policy"
             )
+        # units without parameters of their own (a stack whose blocks are units) communicate nothing
+        modules = [m for m in modules if m._get_fsdp_state()._fsdp_param_groups]
+        # a second setup of the same modules (validate after fit, fit again) keeps their residuals
+        residuals = {
+            id(m): rs.residual for m, rs in zip(self.fsdp_modules, self.reduce_scatters, strict=True)
+        }
         self.fsdp_modules = modules
         self.reduce_scatters = []
         for index, module in enumerate(modules):
             self._check_mesh(module)
             self.install_hooks(module, index)
+        for module, reduce_scatter in zip(modules, self.reduce_scatters, strict=True):
+            reduce_scatter.residual = residuals.get(id(module))
         logger.debug("Sharded: %d FSDP modules, hooks installed", len(modules))
 
     def _check_mesh(self, module: FSDPModule) -> None:
