@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.ddp import DDP
     from lightning_dist.strategies.diloco import DiLoCo
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
 
@@ -30,13 +31,23 @@ __all__ = [
     "DiLoCo",
     "Elastic",
     "ElasticDiLoCo",
+    "FaultTolerant",
     "Horovod",
     "HorovodAdasum",
     "collectives",
 ]
 __version__ = "0.2.0"
 
-_STRATEGIES = ("DDP", "Compressed", "DiLoCo", "Elastic", "ElasticDiLoCo", "Horovod", "HorovodAdasum")
+_STRATEGIES = (
+    "DDP",
+    "Compressed",
+    "DiLoCo",
+    "Elastic",
+    "ElasticDiLoCo",
+    "FaultTolerant",
+    "Horovod",
+    "HorovodAdasum",
+)
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.ddp import DDP
     from lightning_dist.strategies.diloco import DiLoCo
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
 
@@ -22,6 +23,7 @@ _CLASSES = {
     "Elastic": "elastic",
     "ElasticDiLoCo": "elastic",
     "ElasticMixin": "elastic",
+    "FaultTolerant": "fault_tolerant",
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
 }
@@ -34,6 +36,7 @@ __all__ = [
     "Elastic",
     "ElasticDiLoCo",
     "ElasticMixin",
+    "FaultTolerant",
     "Horovod",
     "HorovodAdasum",
 ]

@@ -1,0 +1,101 @@
+"""One replica group of a FaultTolerant run (under torchrun, started by tests/test_fault_tolerant.py).
+
+Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_FAIL (``group:step[,group:step]``: that
+group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
+``fail_at(rank, step)``), FT_SLEEP (seconds per owned slot, so a restarted group can catch up),
+FT_TIMEOUT (the strategy's timeout_s). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
+step) and ``final_<g>.pt`` (the weights at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dist import FaultTolerant
+
+OUT = Path(os.environ["FT_OUT"])
+GROUP = int(os.environ["REPLICA_GROUP_ID"])
+ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+FAIL = {
+    tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FAIL", "").split(",") if item
+}
+SLEEP = float(os.environ.get("FT_SLEEP", "0"))
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        if SLEEP:
+            time.sleep(SLEEP)
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class Record(L.Callback):
+    """Fault injection at a step's start, and each committed step on disk before the next one."""
+
+    def __init__(self) -> None:
+        self.written = 0
+        self.file = open(OUT / f"steps_{GROUP}.jsonl", "a")  # noqa: SIM115
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, FaultTolerant)
+        if ATTEMPT == 0 and (GROUP, trainer.global_step) in FAIL and strategy.owns(batch.index % strategy.slots_per_step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        assert isinstance(strategy, FaultTolerant)
+        for rec in strategy.committed[self.written :]:
+            row = {"step": rec.step, "indices": rec.indices, "participants": rec.participants, "attempt": ATTEMPT}
+            self.file.write(json.dumps(row) + "\n")
+        self.written = len(strategy.committed)
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+
+def main() -> None:
+    with open(OUT / f"pids_{GROUP}.txt", "a") as fh:
+        fh.write(f"{ATTEMPT} {os.getpid()}\n")
+    n = 512
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin()
+    data = TensorDataset(x, y, torch.arange(n))
+    strategy = FaultTolerant(replica_groups=2, global_batch=16, timeout_s=float(os.environ.get("FT_TIMEOUT", "10")))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        max_steps=int(os.environ.get("FT_STEPS", "12")),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+    )
+    module = Regression()
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"final_{GROUP}.pt")
+    print(f"group {GROUP} done at step {trainer.global_step}: {strategy.uncommitted_steps} uncommitted", flush=True)
+
+
+if __name__ == "__main__":
+    main()
