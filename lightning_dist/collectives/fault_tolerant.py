@@ -80,7 +80,7 @@ def state_checksum(state: Any) -> int:
     crc = 0
     for path, t in sorted(_tensor_leaves(state).items()):
         crc = zlib.crc32(f"{path}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
-        crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
     return crc
 
 

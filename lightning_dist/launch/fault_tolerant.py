@@ -124,7 +124,7 @@ def start_groups(
     ]
 
 
-def _stop(procs: Sequence[subprocess.Popen[Any]]) -> None:
+def stop_groups(procs: Sequence[subprocess.Popen[Any]]) -> None:
     for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)  # the torchrun's own session: it and its workers
@@ -163,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             codes = [proc.wait() for proc in procs]
         finally:
-            _stop(procs)
+            stop_groups(procs)
     return max(codes, default=0)
 
 

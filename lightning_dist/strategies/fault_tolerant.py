@@ -309,6 +309,11 @@ class FaultTolerant(SingleDeviceStrategy):
         epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
         return self._sampler(epoch).rank_batches(in_epoch, 0)[slot]
 
+    @property
+    def participants(self) -> int:
+        """Groups in the current step's quorum."""
+        return self._participants
+
     def owns(self, slot: int) -> bool:
         """Whether this group computes ``slot`` of the current step."""
         return self._rank is not None and slot % self._participants == self._rank
@@ -332,18 +337,21 @@ class FaultTolerant(SingleDeviceStrategy):
 
     def _join(self) -> None:
         """Join the step's quorum (a recovering group loads its peer's state here); a fresh run's
-        first step asks again until ``start_groups`` groups are in it or ``quorum_timeout_s`` passed."""
+        first step (not a torchrun restart) asks again until ``start_groups`` groups are in it or
+        ``quorum_timeout_s`` passed."""
         assert self.transport is not None
         deadline = time.monotonic() + self.quorum_timeout_s
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
         self.transport.start_step()
         while (
-            self.transport.step == 0
+            not restarted
+            and self.transport.step == 0
             and self.transport.participants < self.start_groups
             and time.monotonic() < deadline
         ):
             time.sleep(0.1)
             self.transport.start_step()
-        if self.transport.step == 0 and self.transport.participants < self.start_groups:
+        if not restarted and self.transport.step == 0 and self.transport.participants < self.start_groups:
             logger.warning(
                 "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",
                 OWNER,

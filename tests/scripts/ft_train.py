@@ -2,7 +2,7 @@
 
 Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_FAIL (``group:step[,group:step]``: that
 group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
-``fail_at(rank, step)``), FT_SLEEP (seconds per owned slot, so a restarted group can catch up),
+``fail_at(rank, step)``), FT_SLEEP (seconds per slot while a group trains alone, so a restarted one can rejoin),
 FT_TIMEOUT (the strategy's timeout_s). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step) and ``final_<g>.pt`` (the weights at the end).
@@ -40,8 +40,8 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
-        if SLEEP:
-            time.sleep(SLEEP)
+        if SLEEP and self.trainer.strategy.participants < 2:  # type: ignore[attr-defined]
+            time.sleep(SLEEP)  # a lone group waits for the restarted one to catch up
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
