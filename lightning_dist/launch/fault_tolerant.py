@@ -48,12 +48,14 @@ class Lighthouse:
             "heartbeat_timeout_ms": heartbeat_timeout_ms,
             "quorum_tick_ms": quorum_tick_ms,
         }
-        self.bind = bind
         self._server: Any = self._start(bind)
-        self.address: str = self._server.address()
-        """``http://host:port`` (what ``TORCHFT_LIGHTHOUSE`` holds)."""
         host = bind.rsplit(":", 1)[0]
-        self.bind = f"{host}:{self.address.rsplit(':', 1)[1]}"
+        port = self._server.address().rsplit(":", 1)[1]
+        self.bind = f"{host}:{port}"
+        """The address it listens on, with the port it got (``restart`` reuses it)."""
+        self.address: str = f"http://{self.bind}"
+        """``http://host:port`` (what ``TORCHFT_LIGHTHOUSE`` holds): the listen address, not the
+        machine's name (torchft's ``address()``), which may resolve to another interface."""
 
     def _start(self, bind: str) -> Any:
         require_torchft("Lighthouse")

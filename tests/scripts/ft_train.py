@@ -3,7 +3,8 @@
 Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_FAIL (``group:step[,group:step]``: that
 group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
 ``fail_at(rank, step)``), FT_SLEEP (seconds per slot while a group trains alone, so a restarted one can rejoin),
-FT_TIMEOUT (the strategy's timeout_s). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
+itself while it applies its peer's state). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step) and ``final_<g>.pt`` (the weights at the end).
 """
@@ -81,6 +82,9 @@ def main() -> None:
     y = x.sum(dim=1, keepdim=True).sin()
     data = TensorDataset(x, y, torch.arange(n))
     strategy = FaultTolerant(replica_groups=2, global_batch=16, timeout_s=float(os.environ.get("FT_TIMEOUT", "10")))
+    if os.environ.get("FT_KILL_IN_RECOVERY") == str(GROUP) and ATTEMPT == 1:
+        # the restarted worker dies again while it applies the state its peer sent
+        strategy._load_state_dict = lambda state: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
     trainer = L.Trainer(
         accelerator="cpu",
         strategy=strategy,

@@ -1,0 +1,238 @@
+"""FaultTolerant (live recovery on torchft): option checks, the received-state checks and the checkpoint
+server's listen address (fast); and SIGKILLed replica groups on CPU/Gloo (slow): the other group keeps
+its process, the killed one is restarted by its torchrun and recovers from its peer, every step's
+global batch is trained exactly once, and the final weights equal the fault-free run's.
+
+Tolerance of the weights: atol 1e-6, rtol 1e-5 (measured: at most 3e-8 after 30 Adam steps). While a
+group is missing, the survivor sums all of a step's micro-batch gradients itself instead of adding two
+groups' partial sums: the same terms in another order, so float32 rounding differs by an ulp or so a
+step, and Adam's update carries that on.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, child_env
+
+pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
+
+from lightning_dist.collectives.fault_tolerant import (  # noqa: E402
+    _safe_http_transport,
+    checked_state,
+    stamp_state,
+    state_checksum,
+)
+from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
+STEPS = 30
+GLOBAL_BATCH = 16
+
+
+# -- fast ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"replica_groups": 0}, "replica_groups"),
+        ({"min_replica_size": 3}, "min_replica_size"),
+        ({"global_batch": 0}, "global_batch"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"start_groups": 5}, "start_groups"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs: dict, named: str) -> None:
+    from lightning_dist import FaultTolerant
+
+    with pytest.raises(ValueError, match=named):
+        FaultTolerant(**kwargs)
+
+
+def test_registered_name_builds_the_strategy() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dist import FaultTolerant
+
+    assert StrategyRegistry["ld_fault_tolerant"]["strategy"] is FaultTolerant
+
+
+def _state() -> dict:
+    model = {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)}
+    return {"model": model, "optimizers": [{"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": []}]}
+
+
+def test_checked_state_accepts_a_good_state() -> None:
+    state = _state()
+    got = checked_state(stamp_state(state, 7), 7, state["model"])
+    assert torch.equal(got["model"]["w"], state["model"]["w"])
+
+
+@pytest.mark.parametrize("defect", ["step", "checksum", "shape", "dtype", "missing"])
+def test_checked_state_refuses_a_bad_state(defect: str) -> None:
+    state = _state()
+    received = stamp_state(state, 7)
+    like = dict(state["model"])
+    step = 7
+    if defect == "step":
+        step = 8
+    elif defect == "checksum":
+        received["state"]["model"]["w"][0, 0] = 99.0  # changed after it was stamped
+    elif defect == "shape":
+        like["w"] = torch.zeros(3, 2)
+    elif defect == "dtype":
+        like["b"] = torch.zeros(3, dtype=torch.float64)
+    else:
+        like["extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="FaultTolerant"):
+        checked_state(received, step, like)
+
+
+def test_checksum_covers_every_tensor() -> None:
+    a, b = _state(), _state()
+    assert state_checksum(a) == state_checksum(b)
+    b["optimizers"][0]["state"][0]["step"] += 1
+    assert state_checksum(a) != state_checksum(b)
+
+
+def test_checkpoint_server_listens_on_the_given_host_and_loads_weights_only() -> None:
+    transport = _safe_http_transport(timedelta(seconds=10), "127.0.0.1")
+    try:
+        port = transport._server.socket.getsockname()[1]
+        assert _listening(port) == ["0100007F"]  # not every interface (torchft's default)
+        assert transport.metadata() == f"http://127.0.0.1:{port}/checkpoint/"
+        state = stamp_state(_state(), 3)
+        transport.send_checkpoint([1], 3, state, timedelta(seconds=10))
+        got = transport.recv_checkpoint(0, transport.metadata(), 3, timedelta(seconds=10))
+        assert state_checksum(got["state"]) == state["checksum"]
+        # anything weights_only cannot load is refused, not unpickled
+        transport.send_checkpoint([1], 4, {"x": socket.socket}, timedelta(seconds=10))
+        with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
+            transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=10))
+    finally:
+        transport.shutdown(wait=True)
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) with a listening socket on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_lighthouse_listens_on_the_given_host_only() -> None:
+    with Lighthouse("127.0.0.1:0") as lighthouse:
+        assert lighthouse.address.startswith("http://127.0.0.1:")
+        port = int(lighthouse.bind.rsplit(":", 1)[1])
+        assert _listening(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
+
+
+# -- slow: whole runs ----------------------------------------------------------------------------------
+def _launch(out: Path, **env: str) -> tuple[Lighthouse, list[subprocess.Popen]]:
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
+    log = open(out / "log.txt", "w")  # noqa: SIM115
+    procs = start_groups(
+        [str(SCRIPT)],
+        2,
+        lighthouse.address,
+        max_restarts=3,
+        env=child_env(FT_OUT=str(out), FT_STEPS=str(STEPS), **env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return lighthouse, procs
+
+
+def _finish(launch: tuple[Lighthouse, list[subprocess.Popen]], out: Path, timeout: float) -> None:
+    lighthouse, procs = launch
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the replica groups did not finish in {timeout} s; log:\n{(out / 'log.txt').read_text()[-6000:]}")
+    finally:
+        stop_groups(procs)
+        lighthouse.shutdown()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0], f"exit codes {codes}; log:\n{(out / 'log.txt').read_text()[-6000:]}"
+
+
+def _pids(out: Path, group: int) -> list[tuple[int, int]]:
+    return [tuple(map(int, line.split())) for line in (out / f"pids_{group}.txt").read_text().split("\n") if line]
+
+
+def _steps(out: Path) -> dict[int, list[int]]:
+    """step -> the samples trained on in it, over both groups (committed steps only)."""
+    samples: dict[int, list[int]] = {}
+    for group in (0, 1):
+        for line in (out / f"steps_{group}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            samples.setdefault(row["step"], []).extend(row["indices"])
+    return samples
+
+
+def _weights(out: Path, group: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"final_{group}.pt", weights_only=True)
+
+
+def _check_against_reference(ref: Path, out: Path) -> None:
+    reference, faulty = _steps(ref), _steps(out)
+    assert sorted(faulty) == list(range(STEPS))
+    for step, samples in faulty.items():
+        assert len(samples) == GLOBAL_BATCH == len(set(samples)), f"step {step}: a sample lost or repeated"
+        assert sorted(samples) == sorted(reference[step]), f"step {step} trained other samples"
+    for group in (0, 1):
+        torch.testing.assert_close(_weights(out, group), _weights(ref, 0), atol=1e-6, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkill_one_group_others_keep_their_process_and_nothing_is_lost(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.3")
+    ref_dir = tmp_path_factory.mktemp("ft_reference_once")
+    _finish(_launch(ref_dir), ref_dir, timeout=150)  # the fault-free run, beside the faulty one
+    _finish(faulty, tmp_path / "kill", timeout=200)
+    out = tmp_path / "kill"
+    assert [a for a, _ in _pids(out, 0)] == [0], "the healthy group's process was restarted"
+    attempts = _pids(out, 1)
+    assert [a for a, _ in attempts] == [0, 1] and attempts[0][1] != attempts[1][1]
+    rows = [json.loads(line) for line in (out / "steps_1.jsonl").read_text().splitlines()]
+    rejoined = [r["step"] for r in rows if r["attempt"] == 1]
+    assert rejoined and rejoined[0] > 4, "the restarted group did not start at the quorum's step"
+    alone = [json.loads(line) for line in (out / "steps_0.jsonl").read_text().splitlines()]
+    assert any(r["participants"] == 1 for r in alone), "the survivor never trained alone"
+    _check_against_reference(ref_dir, out)
+    (tmp_path_factory.getbasetemp() / "ft_reference_path").write_text(str(ref_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_kill_during_recovery_then_rejoin(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    note = tmp_path_factory.getbasetemp() / "ft_reference_path"
+    if note.exists():
+        ref_dir = Path(note.read_text())
+        faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.3", FT_KILL_IN_RECOVERY="1")
+    else:  # run alone: the fault-free run beside this one
+        faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.3", FT_KILL_IN_RECOVERY="1")
+        ref_dir = tmp_path / "ref"
+        _finish(_launch(ref_dir), ref_dir, timeout=150)
+    out = tmp_path / "kill"
+    _finish(faulty, out, timeout=220)
+    assert [a for a, _ in _pids(out, 0)] == [0], "the healthy group's process was restarted"
+    assert [a for a, _ in _pids(out, 1)] == [0, 1, 2], "group 1 should die twice (at step 4, then recovering)"
+    _check_against_reference(ref_dir, out)
