@@ -161,7 +161,9 @@ def _finish(launch: tuple[Lighthouse, list[subprocess.Popen]], out: Path, timeou
         for proc in procs:
             proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the replica groups did not finish in {timeout} s; log:\n{(out / 'log.txt').read_text()[-6000:]}")
+        pytest.fail(
+            f"the replica groups did not finish in {timeout} s; log:\n{(out / 'log.txt').read_text()[-6000:]}"
+        )
     finally:
         stop_groups(procs)
         lighthouse.shutdown()
@@ -170,7 +172,9 @@ def _finish(launch: tuple[Lighthouse, list[subprocess.Popen]], out: Path, timeou
 
 
 def _pids(out: Path, group: int) -> list[tuple[int, int]]:
-    return [tuple(map(int, line.split())) for line in (out / f"pids_{group}.txt").read_text().split("\n") if line]
+    return [
+        tuple(map(int, line.split())) for line in (out / f"pids_{group}.txt").read_text().split("\n") if line
+    ]
 
 
 def _steps(out: Path) -> dict[int, list[int]]:
@@ -203,7 +207,7 @@ def _check_against_reference(ref: Path, out: Path) -> None:
 def test_sigkill_one_group_others_keep_their_process_and_nothing_is_lost(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.3")
+    faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.6", FT_AWAIT="1:1")
     ref_dir = tmp_path_factory.mktemp("ft_reference_once")
     _finish(_launch(ref_dir), ref_dir, timeout=150)  # the fault-free run, beside the faulty one
     _finish(faulty, tmp_path / "kill", timeout=200)
@@ -226,9 +230,13 @@ def test_kill_during_recovery_then_rejoin(tmp_path: Path, tmp_path_factory: pyte
     note = tmp_path_factory.getbasetemp() / "ft_reference_path"
     if note.exists():
         ref_dir = Path(note.read_text())
-        faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.3", FT_KILL_IN_RECOVERY="1")
+        faulty = _launch(
+            tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.6", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"
+        )
     else:  # run alone: the fault-free run beside this one
-        faulty = _launch(tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.3", FT_KILL_IN_RECOVERY="1")
+        faulty = _launch(
+            tmp_path / "kill", FT_FAIL="1:4", FT_SLEEP="0.6", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"
+        )
         ref_dir = tmp_path / "ref"
         _finish(_launch(ref_dir), ref_dir, timeout=150)
     out = tmp_path / "kill"

@@ -12,10 +12,11 @@ without it works, building a transport raises ``ImportError`` saying what to ins
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Optional, cast
 
@@ -90,7 +91,9 @@ def checked_state(received: Any, expected_step: int, like: Mapping[str, Tensor])
     in ``like`` (the recovering group's own model state) has the same shape and dtype there.
     Raises ``ValueError`` naming what differs."""
     if not isinstance(received, Mapping) or "state" not in received:
-        raise ValueError("FaultTolerant: the peer's state is not a stamped state (keys: state, step, checksum)")
+        raise ValueError(
+            "FaultTolerant: the peer's state is not a stamped state (keys: state, step, checksum)"
+        )
     if received.get("step") != expected_step:
         raise ValueError(
             f"FaultTolerant: the peer sent the state of step {received.get('step')}, the quorum agreed on "
@@ -98,7 +101,9 @@ def checked_state(received: Any, expected_step: int, like: Mapping[str, Tensor])
         )
     state = received["state"]
     if state_checksum(state) != received.get("checksum"):
-        raise ValueError("FaultTolerant: the peer's state does not match its checksum (corrupted in transfer)")
+        raise ValueError(
+            "FaultTolerant: the peer's state does not match its checksum (corrupted in transfer)"
+        )
     model = state.get("model", {}) if isinstance(state, Mapping) else {}
     for name, mine in like.items():
         theirs = model.get(name)
@@ -160,6 +165,26 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
     return SafeHTTPTransport()
 
 
+@contextlib.contextmanager
+def _manager_server_on(host: str) -> Iterator[None]:
+    """While torchft's ``Manager`` is built, its ``ManagerServer`` (rank 0's quorum server) binds to
+    ``host`` instead of every interface (``Manager`` hard-codes ``[::]:port``); the port is kept."""
+    import torchft.manager as manager_module
+
+    real = manager_module.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        port = str(kwargs["bind"]).rsplit(":", 1)[1]
+        kwargs["bind"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return real(**kwargs)
+
+    manager_module.ManagerServer = bound  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer = real  # type: ignore[misc]
+
+
 class ManagedBackend(Backend):
     """Collectives among the replica groups in the current quorum, through torchft's ``Manager``.
 
@@ -199,7 +224,9 @@ class ManagedBackend(Backend):
         from torch.distributed import ReduceOp
 
         if op not in ("sum", "avg"):
-            raise ValueError(f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg' (torchft's Manager)")
+            raise ValueError(
+                f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg' (torchft's Manager)"
+            )
         if op == "avg":
             tensor.div_(self.world_size)  # divide first, then sum, as TorchBackend does
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
@@ -282,23 +309,24 @@ class FaultTolerantTransport:
         store_addr, store_port = self._store_address(host)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
         self.checkpoint_transport = _safe_http_transport(timeout, host)
-        self.manager = Manager(
-            pg=pg,
-            load_state_dict=self._load_checked,
-            state_dict=self._stamped,
-            min_replica_size=min_replica_size,
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=quorum_timeout,
-            store_addr=store_addr,
-            store_port=store_port,
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            lighthouse_addr=lighthouse,
-            replica_id=replica_id,
-            hostname=host,
-            checkpoint_transport=self.checkpoint_transport,
-        )
+        with _manager_server_on(host):
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=self._load_checked,
+                state_dict=self._stamped,
+                min_replica_size=min_replica_size,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=quorum_timeout,
+                store_addr=store_addr,
+                store_port=store_port,
+                rank=int(os.environ.get("RANK", "0")),
+                world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                lighthouse_addr=lighthouse,
+                replica_id=replica_id,
+                hostname=host,
+                checkpoint_transport=self.checkpoint_transport,
+            )
         self.communicator = Communicator(ManagedBackend(self.manager))
 
     def _store_address(self, host: str) -> tuple[str, int]:
@@ -320,6 +348,10 @@ class FaultTolerantTransport:
     def start_step(self) -> None:
         """Join the quorum of the next step (a recovering group loads its peer's state here)."""
         self.manager.start_quorum()
+
+    def resume(self, step: int) -> None:
+        """Start at committed ``step`` (a commit was loaded): the quorum then sees this group there."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished the step; the optimizer steps only then."""

@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning_dist.checks import check_int
-from lightning_dist.collectives.fault_tolerant import HOST_ENV, LIGHTHOUSE_ENV, REPLICA_GROUP_ENV, require_torchft
+from lightning_dist.collectives.fault_tolerant import (
+    HOST_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_GROUP_ENV,
+    require_torchft,
+)
 
 
 class Lighthouse:
@@ -95,7 +100,9 @@ def group_command(
     ]
 
 
-def group_env(group: int, lighthouse: str, host: str = "127.0.0.1", env: Optional[dict[str, str]] = None) -> dict[str, str]:
+def group_env(
+    group: int, lighthouse: str, host: str = "127.0.0.1", env: Optional[dict[str, str]] = None
+) -> dict[str, str]:
     """The environment of replica group ``group``: its id, the Lighthouse and the listen address."""
     out = dict(os.environ if env is None else env)
     out.update({REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse, HOST_ENV: host})
@@ -161,7 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
     ) as lighthouse:
         print(f"lighthouse: {lighthouse.address}", flush=True)
-        procs = start_groups(script, args.groups, lighthouse.address, max_restarts=args.max_restarts, host=host)
+        procs = start_groups(
+            script, args.groups, lighthouse.address, max_restarts=args.max_restarts, host=host
+        )
         try:
             codes = [proc.wait() for proc in procs]
         finally:

@@ -31,10 +31,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -54,6 +54,7 @@ from lightning_dist.collectives.fault_tolerant import (
     require_torchft,
 )
 from lightning_dist.compat import disable_distributed_sampler, set_global_step
+from lightning_dist.elastic.commits import CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.names import register_class
 
@@ -83,7 +84,8 @@ class StepRecord:
 
 
 class _StepCallback(L.Callback):
-    """Keeps ``trainer.global_step`` equal to the committed step after each optimizer step."""
+    """Keeps ``trainer.global_step`` equal to the committed step after each optimizer step, and
+    writes the commits (every ``commit_every`` steps and at the end of fit)."""
 
     def __init__(self, strategy: FaultTolerant) -> None:
         self.strategy = strategy
@@ -92,8 +94,18 @@ class _StepCallback(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self.strategy.transport is not None and self.strategy._slot_in_step(batch_idx) == self.strategy.slots_per_step - 1:
-            set_global_step(trainer, self.strategy.transport.step)
+        strategy = self.strategy
+        if (
+            strategy.transport is not None
+            and strategy._slot_in_step(batch_idx) == strategy.slots_per_step - 1
+        ):
+            set_global_step(trainer, strategy.transport.step)
+            if strategy.commit_every and strategy.transport.step % strategy.commit_every == 0:
+                strategy.write_commit()
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.strategy.write_commit()
 
 
 class FaultTolerant(SingleDeviceStrategy):
@@ -111,6 +123,12 @@ class FaultTolerant(SingleDeviceStrategy):
         timeout_s: collectives, commits and checkpoint transfers (a group stopped longer is
             dropped from the quorum).
         quorum_timeout_s: how long a quorum may take to form.
+        commit_every: committed steps between the pack's atomic commits (``CommitStore``, written by
+            the quorum's participant 0, and at the end of fit); 0 writes none. A group that starts
+            resumes from the newest one (``dirpath``), so a whole-job restart, or a group that finds
+            no live peer, loses at most ``commit_every`` steps; with live peers it recovers from them.
+        dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups.
+        keep: commits kept.
         start_groups: the groups a fresh run's first step waits for (up to ``quorum_timeout_s``,
             then it starts with those there); default ``replica_groups``. A group that joins later
             fetches the state of the step it joins at from a peer.
@@ -131,6 +149,9 @@ class FaultTolerant(SingleDeviceStrategy):
         timeout_s: float = 60.0,
         quorum_timeout_s: float = 60.0,
         seed: int = 0,
+        commit_every: int = 50,
+        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
+        keep: int = 3,
         start_groups: Optional[int] = None,
         device: Optional[Union[str, torch.device]] = None,
         accelerator: Optional[Any] = None,
@@ -144,6 +165,10 @@ class FaultTolerant(SingleDeviceStrategy):
         check_positive("timeout_s", timeout_s, owner=OWNER)
         check_positive("quorum_timeout_s", quorum_timeout_s, owner=OWNER)
         check_int("seed", seed, 0, owner=OWNER)
+        check_int("commit_every", commit_every, 0, owner=OWNER)
+        check_int("keep", keep, 1, owner=OWNER)
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise ValueError(f"{OWNER}: dirpath={dirpath!r}; accepted: None, a str or a path")
         if start_groups is not None:
             check_int("start_groups", start_groups, 1, replica_groups, owner=OWNER)
         require_torchft(OWNER)
@@ -151,7 +176,10 @@ class FaultTolerant(SingleDeviceStrategy):
             cuda = torch.cuda.is_available()
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu"
         super().__init__(
-            device=device, accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            device=device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
         )
         self.replica_groups = replica_groups
         self.global_batch = global_batch
@@ -163,6 +191,12 @@ class FaultTolerant(SingleDeviceStrategy):
         self.quorum_timeout_s = quorum_timeout_s
         self.seed = seed
         self.start_groups = replica_groups if start_groups is None else start_groups
+        self.commit_every = commit_every
+        self.dirpath = dirpath
+        self.keep = keep
+        self.store: Optional[CommitStore] = None
+        self.resumed_from: Optional[int] = None
+        """The step of the commit this group resumed from (None: none)."""
         self.transport: Optional[FaultTolerantTransport] = None
         self.plan: Optional[ElasticPlan] = None
         self._dataset: Any = None
@@ -226,6 +260,22 @@ class FaultTolerant(SingleDeviceStrategy):
             quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
             host=host,
         )
+        self.store = CommitStore(
+            self.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.keep
+        )
+        commit = self.store.load_latest()
+        if commit is not None:
+            # the floor: a group that finds live peers at a later step still recovers from them
+            self._load_state_dict(commit.state["state"])
+            self.transport.resume(commit.step)
+            self.resumed_from = commit.step
+            logger.info("%s: resumed from the commit of step %d (%s)", OWNER, commit.step, commit.path)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.transport is not None:  # a resumed group's loop starts at its commit's step
+            set_global_step(self.lightning_module.trainer, self.transport.step, logger_step=True)
 
     @override
     def teardown(self) -> None:
@@ -241,7 +291,9 @@ class FaultTolerant(SingleDeviceStrategy):
 
     def _state_dict(self) -> dict[str, Any]:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        schedulers = [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        schedulers = (
+            [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        )
         return {
             "model": dict(self._model_state()),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
@@ -256,7 +308,19 @@ class FaultTolerant(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer
         for config, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(sched_state)
-        logger.info("%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1)
+        logger.info(
+            "%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1
+        )
+
+    def write_commit(self) -> None:
+        """Commit the state of the last committed step, when this group is the quorum's participant 0
+        (one writer) and no commit of that step exists."""
+        if self.store is None or self.transport is None or not self.commit_every:
+            return
+        step = self.transport.step
+        if self.transport.participant_rank != 0 or step == 0 or self.store.latest_step() == step:
+            return
+        self.store.save(step, {"state": self._state_dict(), "step": step})
 
     # -- data: slots ------------------------------------------------------------------------------
     @property
@@ -270,7 +334,11 @@ class FaultTolerant(SingleDeviceStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+        if (
+            trainer is None
+            or trainer.state.stage != RunningStage.TRAINING
+            or not isinstance(dataloader, DataLoader)
+        ):
             return dataloader
         if dataloader.batch_size is None:
             raise ValueError(
@@ -319,7 +387,9 @@ class FaultTolerant(SingleDeviceStrategy):
         return self._rank is not None and slot % self._participants == self._rank
 
     @override
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+    def batch_to_device(
+        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
+    ) -> Any:
         if isinstance(batch, Slot):
             return batch  # read after the quorum, in training_step
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -401,7 +471,9 @@ class FaultTolerant(SingleDeviceStrategy):
             offset += n
 
     @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
         if self.transport is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         loss = closure()  # the step's last slot: forward and backward
