@@ -70,6 +70,12 @@ class Slot:
     index: int
 
 
+def owns_slot(slot: int, participants: int, rank: Optional[int]) -> bool:
+    """Whether the quorum's participant ``rank`` (None: not participating) computes ``slot``: slot j
+    goes to participant ``j % participants``, so every slot of a step has exactly one owner."""
+    return rank is not None and slot % participants == rank
+
+
 def _slot(index: int) -> Slot:
     return Slot(int(index))
 
@@ -384,7 +390,7 @@ class FaultTolerant(SingleDeviceStrategy):
 
     def owns(self, slot: int) -> bool:
         """Whether this group computes ``slot`` of the current step."""
-        return self._rank is not None and slot % self._participants == self._rank
+        return owns_slot(slot, self._participants, self._rank)
 
     @override
     def batch_to_device(
