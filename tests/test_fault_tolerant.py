@@ -225,13 +225,15 @@ def _check_against_reference(ref: Path, out: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(280)
-def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing_is_lost(tmp_path: Path) -> None:
+def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing_is_lost(
+    tmp_path: Path,
+) -> None:
     """Group 1's worker SIGKILLs itself at step 4 (torchft's ``fail_at``); its torchrun restarts it,
     and the restart SIGKILLs itself again while it applies its peer's state; the second restart
     rejoins. Group 0 never restarts, trains alone meanwhile, and the run ends on the fault-free
     run's weights (launched beside it) with every step's global batch trained exactly once."""
     out, ref_dir = tmp_path / "kill", tmp_path / "reference"
-    faulty = _launch(out, FT_FAIL="1:4", FT_SLEEP="0.6", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1")
+    faulty = _launch(out, FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1")
     _finish(_launch(ref_dir), ref_dir, timeout=150)
     _finish(faulty, out, timeout=240)
     assert [a for a, _ in _pids(out, 0)] == [0], "the healthy group's process was restarted"

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Optional, cast
@@ -135,18 +136,18 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
 
         def __init__(self) -> None:
             super().__init__(timeout=timeout, num_chunks=0)
-            handler = self._server.RequestHandlerClass
-            self._server.shutdown()  # torchft's server, on every interface: replaced before any use
-            self._server.server_close()
-            self._thread.join()
+            # torchft's server listens on every interface: replaced before any use
+            old: Any = getattr(self, "_server")  # noqa: B009
+            handler = old.RequestHandlerClass
+            old.shutdown()
+            old.server_close()
+            getattr(self, "_thread").join()  # noqa: B009
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
             class _Server(_IPv6HTTPServer):  # type: ignore[misc]
                 address_family = family
 
             self._server = _Server((host, 0), handler)
-            import threading
-
             self._thread = threading.Thread(target=self._serve, daemon=True)
             self._thread.start()
 

@@ -281,7 +281,7 @@ class FaultTolerant(SingleDeviceStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.transport is not None:  # a resumed group's loop starts at its commit's step
-            set_global_step(self.lightning_module.trainer, self.transport.step, logger_step=True)
+            set_global_step(self._fit_trainer(), self.transport.step, logger_step=True)
 
     @override
     def teardown(self) -> None:
@@ -289,6 +289,10 @@ class FaultTolerant(SingleDeviceStrategy):
             self.transport.shutdown()
             self.transport = None
         super().teardown()
+
+    def _fit_trainer(self) -> L.Trainer:
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
 
     # -- what a peer sends --------------------------------------------------------------------------
     def _model_state(self) -> Mapping[str, Tensor]:
@@ -409,7 +413,7 @@ class FaultTolerant(SingleDeviceStrategy):
         self._participants = max(1, self.transport.participants)
         self._rank = self.transport.participant_rank
         self._step_indices = []
-        set_global_step(self.lightning_module.trainer, self.transport.step, logger_step=True)
+        set_global_step(self._fit_trainer(), self.transport.step, logger_step=True)
 
     def _join(self) -> None:
         """Join the step's quorum (a recovering group loads its peer's state here); a fresh run's
