@@ -298,6 +298,7 @@ class FaultTolerantTransport:
         timeout: timedelta,
         quorum_timeout: timedelta,
         host: str,
+        quorum_retries: int = 0,
     ) -> None:
         require_torchft()
         from torchft import Manager
@@ -327,6 +328,7 @@ class FaultTolerantTransport:
                 replica_id=replica_id,
                 hostname=host,
                 checkpoint_transport=self.checkpoint_transport,
+                quorum_retries=quorum_retries,
             )
         self.communicator = Communicator(ManagedBackend(self.manager))
 

@@ -129,6 +129,8 @@ class FaultTolerant(SingleDeviceStrategy):
         timeout_s: collectives, commits and checkpoint transfers (a group stopped longer is
             dropped from the quorum).
         quorum_timeout_s: how long a quorum may take to form.
+        quorum_retries: times a failed quorum request (the Lighthouse unreachable, restarting) is
+            retried before the group fails (torchft's ``quorum_retries``).
         commit_every: committed steps between the pack's atomic commits (``CommitStore``, written by
             the quorum's participant 0, and at the end of fit); 0 writes none. A group that starts
             resumes from the newest one (``dirpath``), so a whole-job restart, or a group that finds
@@ -154,6 +156,7 @@ class FaultTolerant(SingleDeviceStrategy):
         host: Optional[str] = None,
         timeout_s: float = 60.0,
         quorum_timeout_s: float = 60.0,
+        quorum_retries: int = 3,
         seed: int = 0,
         commit_every: int = 50,
         dirpath: Optional[Union[str, os.PathLike[str]]] = None,
@@ -171,6 +174,7 @@ class FaultTolerant(SingleDeviceStrategy):
         check_positive("timeout_s", timeout_s, owner=OWNER)
         check_positive("quorum_timeout_s", quorum_timeout_s, owner=OWNER)
         check_int("seed", seed, 0, owner=OWNER)
+        check_int("quorum_retries", quorum_retries, 0, owner=OWNER)
         check_int("commit_every", commit_every, 0, owner=OWNER)
         check_int("keep", keep, 1, owner=OWNER)
         if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
@@ -195,6 +199,7 @@ class FaultTolerant(SingleDeviceStrategy):
         self.host = host
         self.timeout_s = timeout_s
         self.quorum_timeout_s = quorum_timeout_s
+        self.quorum_retries = quorum_retries
         self.seed = seed
         self.start_groups = replica_groups if start_groups is None else start_groups
         self.commit_every = commit_every
@@ -264,6 +269,7 @@ class FaultTolerant(SingleDeviceStrategy):
             replica_id=self.replica_id or os.environ.get(REPLICA_GROUP_ENV),
             timeout=timedelta(seconds=self.timeout_s),
             quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            quorum_retries=self.quorum_retries,
             host=host,
         )
         self.store = CommitStore(
