@@ -12,11 +12,15 @@ step, and Adam's update carries that on.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -223,27 +227,93 @@ def _check_against_reference(ref: Path, out: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))
 
 
+def _rows(out: Path, group: int) -> list[dict]:
+    path = out / f"steps_{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dict[str, float]) -> None:
+    """During the run in ``out``: SIGSTOP group 1's worker for 15 s (past timeout_s=10) once group 0
+    has committed 6 steps, then, once both train together again, stop the Lighthouse for 2 s and
+    start it again on the same address."""
+    deadline = time.monotonic() + 200
+    while len(_rows(out, 0)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = _pids(out, 1)[-1][1]  # our child's worker, by PID
+    os.kill(worker, signal.SIGSTOP)
+    events["stopped_at_step"] = len(_rows(out, 0))
+    time.sleep(15)
+    os.kill(worker, signal.SIGCONT)
+    while time.monotonic() < deadline:
+        rows = _rows(out, 0)
+        if rows and rows[-1]["participants"] == 2 and rows[-1]["step"] > events["stopped_at_step"]:
+            break
+        time.sleep(0.05)
+    events["lighthouse_down_at_step"] = len(_rows(out, 0))
+    lighthouse.shutdown()
+    time.sleep(2)
+    lighthouse.restart()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Three launches at once: the fault-free run; a run where group 1's worker SIGKILLs itself at
+    step 4 (torchft's ``fail_at``) and its first restart SIGKILLs itself again while it applies its
+    peer's state; and a run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is
+    stopped and started again."""
+    base = tmp_path_factory.mktemp("ft_runs")
+    dirs = {name: base / name for name in ("reference", "kill", "stop")}
+    events: dict[str, float] = {}
+    launches = {
+        "kill": _launch(dirs["kill"], FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"),
+        "stop": _launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
+        "reference": _launch(dirs["reference"]),
+    }
+    actor = threading.Thread(
+        target=_stop_then_restart_lighthouse, args=(dirs["stop"], launches["stop"][0], events), daemon=True
+    )
+    actor.start()
+    try:
+        for name in ("reference", "stop", "kill"):
+            _finish(launches[name], dirs[name], timeout=240)
+    finally:
+        for launch in launches.values():  # a failed finish leaves the others: end them too
+            stop_groups(launch[1])
+            launch[0].shutdown()
+    actor.join(timeout=30)
+    return {**dirs, "events": events}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(280)
-def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing_is_lost(
-    tmp_path: Path,
-) -> None:
-    """Group 1's worker SIGKILLs itself at step 4 (torchft's ``fail_at``); its torchrun restarts it,
-    and the restart SIGKILLs itself again while it applies its peer's state; the second restart
-    rejoins. Group 0 never restarts, trains alone meanwhile, and the run ends on the fault-free
-    run's weights (launched beside it) with every step's global batch trained exactly once."""
-    out, ref_dir = tmp_path / "kill", tmp_path / "reference"
-    faulty = _launch(out, FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1")
-    _finish(_launch(ref_dir), ref_dir, timeout=150)
-    _finish(faulty, out, timeout=240)
+@pytest.mark.timeout(300)
+def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing_is_lost(runs: dict) -> None:
+    """Group 1 dies at step 4 and its first restart dies while recovering; the second restart
+    rejoins. Group 0 never restarts, trains alone meanwhile, and the run ends on the fault-free run's
+    weights with every step's global batch trained exactly once."""
+    out = runs["kill"]
     assert [a for a, _ in _pids(out, 0)] == [0], "the healthy group's process was restarted"
     attempts = _pids(out, 1)
     assert [a for a, _ in attempts] == [0, 1, 2], "group 1 dies at step 4 and again while recovering"
     assert len({pid for _, pid in attempts}) == 3
-    rows = [json.loads(line) for line in (out / "steps_1.jsonl").read_text().splitlines()]
+    rows = _rows(out, 1)
     assert not [r for r in rows if r["attempt"] == 1], "the first restart died before its first step"
     rejoined = [r["step"] for r in rows if r["attempt"] == 2]
     assert rejoined and rejoined[0] > 4, "the restarted group did not start at the quorum's step"
-    alone = [json.loads(line) for line in (out / "steps_0.jsonl").read_text().splitlines()]
-    assert any(r["participants"] == 1 for r in alone), "the survivor never trained alone"
-    _check_against_reference(ref_dir, out)
+    assert any(r["participants"] == 1 for r in _rows(out, 0)), "the survivor never trained alone"
+    _check_against_reference(runs["reference"], out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stopped_group_and_lighthouse_restart_restart_nobody(runs: dict) -> None:
+    """A group stopped past the timeout is left out of the quorum and heals from its peer when it
+    continues (same process); a Lighthouse down for 2 s and started again is retried, not fatal."""
+    out, events = runs["stop"], runs["events"]
+    assert "lighthouse_down_at_step" in events, f"the actions did not all run: {events}"
+    assert [a for a, _ in _pids(out, 0)] == [0] and [a for a, _ in _pids(out, 1)] == [0], "a group restarted"
+    alone = [r["step"] for r in _rows(out, 0) if r["participants"] == 1]
+    assert alone and alone[0] >= events["stopped_at_step"] - 1, "group 0 did not go on alone"
+    back = [r["step"] for r in _rows(out, 1) if r["step"] > alone[0]]
+    assert back and back[0] > alone[-1], "the stopped group did not heal to the quorum's step"
+    assert events["lighthouse_down_at_step"] < STEPS, "the Lighthouse went down after the run ended"
+    _check_against_reference(runs["reference"], out)

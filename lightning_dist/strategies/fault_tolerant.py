@@ -216,6 +216,7 @@ class FaultTolerant(SingleDeviceStrategy):
         self._participants = 1
         self._rank: Optional[int] = None
         self._step_indices: list[int] = []
+        self._skipping = False
         self.committed: list[StepRecord] = []
         """Every step this group committed, with the samples it trained on (tests count them)."""
         self.uncommitted_steps = 0
@@ -419,7 +420,37 @@ class FaultTolerant(SingleDeviceStrategy):
         self._participants = max(1, self.transport.participants)
         self._rank = self.transport.participant_rank
         self._step_indices = []
-        set_global_step(self._fit_trainer(), self.transport.step, logger_step=True)
+        self._skipping = self._catch_up()
+        if self._skipping:
+            self._rank = None  # this step's quorum was formed at the old step: it is not run
+        trainer = self._fit_trainer()
+        set_global_step(trainer, self.transport.step, logger_step=True)
+        if self._skipping and trainer.max_steps >= 0 and self.transport.step >= trainer.max_steps:
+            trainer.should_stop = True
+
+    def _catch_up(self) -> bool:
+        """A group alone in its quorum whose step is behind the newest commit (its peers went on and
+        ended, or died, while it was stopped or restarting) loads that commit instead of training
+        steps the job has already committed; True when it did."""
+        assert self.transport is not None
+        if self.transport.participants > 1 or self.store is None or not self.commit_every:
+            return False
+        newest = self.store.latest_step()
+        if newest is None or newest <= self.transport.step:
+            return False
+        commit = self.store.load_latest()
+        if commit is None or commit.step <= self.transport.step:
+            return False
+        logger.warning(
+            "%s: alone at step %d behind the commit of step %d: resuming from it",
+            OWNER,
+            self.transport.step,
+            commit.step,
+        )
+        self._load_state_dict(commit.state["state"])
+        self.transport.resume(commit.step)
+        self.resumed_from = commit.step
+        return True
 
     def _join(self) -> None:
         """Join the step's quorum (a recovering group loads its peer's state here); a fresh run's
@@ -493,6 +524,9 @@ class FaultTolerant(SingleDeviceStrategy):
         if self.transport is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         loss = closure()  # the step's last slot: forward and backward
+        if self._skipping:  # caught up from a commit at this step's start: nothing to commit
+            optimizer.zero_grad(set_to_none=True)
+            return loss
         self._reduce_gradients()
         step = self.transport.step
         if not self.transport.commit():

@@ -30,6 +30,8 @@ GROUP = int(os.environ["REPLICA_GROUP_ID"])
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FAIL", "").split(",") if item}
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
+PAUSE = float(os.environ.get("FT_PAUSE", "0"))
+"""Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
 AWAIT = os.environ.get("FT_AWAIT", "")
 """``group:attempt``: a group training alone sleeps FT_SLEEP per slot until that attempt has rejoined."""
 
@@ -50,6 +52,7 @@ class Regression(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
+        time.sleep(PAUSE)
         if SLEEP and self.trainer.strategy.participants < 2 and awaited():  # type: ignore[attr-defined]
             time.sleep(SLEEP)  # a lone group slows down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
@@ -63,6 +66,7 @@ class Record(L.Callback):
 
     def __init__(self) -> None:
         self.written = 0
+        self.last: int | None = None
         self.file = open(OUT / f"steps_{GROUP}.jsonl", "a")  # noqa: SIM115
 
     def on_train_batch_start(
@@ -90,8 +94,11 @@ class Record(L.Callback):
                 "attempt": ATTEMPT,
             }
             self.file.write(json.dumps(row) + "\n")
-        if ATTEMPT and any(r.participants > 1 for r in strategy.committed[self.written :]):
-            (OUT / f"rejoined_{GROUP}_{ATTEMPT}").touch()
+        for rec in strategy.committed[self.written :]:
+            # back with a peer after a restart, or after a gap in its steps (it was stopped)
+            if rec.participants > 1 and (ATTEMPT or (self.last is not None and rec.step != self.last + 1)):
+                (OUT / f"rejoined_{GROUP}_{ATTEMPT}").touch()
+            self.last = rec.step
         self.written = len(strategy.committed)
         self.file.flush()
         os.fsync(self.file.fileno())
