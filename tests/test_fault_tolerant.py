@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -257,7 +258,7 @@ def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dic
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three launches at once: the fault-free run; a run where group 1's worker SIGKILLs itself at
+    """Three launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant``); a run where group 1's worker SIGKILLs itself at
     step 4 (torchft's ``fail_at``) and its first restart SIGKILLs itself again while it applies its
     peer's state; and a run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is
     stopped and started again."""
@@ -267,16 +268,37 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     launches = {
         "kill": _launch(dirs["kill"], FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"),
         "stop": _launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
-        "reference": _launch(dirs["reference"]),
     }
+    dirs["reference"].mkdir()
+    reference = subprocess.Popen(  # the fault-free run, through the one-box launcher's command line
+        [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--max-restarts", "0",
+         "--heartbeat-timeout-ms", "1000", "--", str(SCRIPT)],
+        env=child_env(FT_OUT=str(dirs["reference"]), FT_STEPS=str(STEPS)),
+        stdout=open(dirs["reference"] / "log.txt", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
     actor = threading.Thread(
         target=_stop_then_restart_lighthouse, args=(dirs["stop"], launches["stop"][0], events), daemon=True
     )
     actor.start()
     try:
-        for name in ("reference", "stop", "kill"):
+        try:
+            code = reference.wait(timeout=200)
+        except subprocess.TimeoutExpired:
+            code = None
+        log = (dirs["reference"] / "log.txt").read_text()[-6000:]
+        assert code == 0, f"the launcher's run ended with {code}; log:\n{log}"
+        for name in ("stop", "kill"):
             _finish(launches[name], dirs[name], timeout=240)
     finally:
+        if reference.poll() is None:
+            reference.terminate()  # the launcher ends its replica groups, then itself
+            try:
+                reference.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(reference.pid, signal.SIGKILL)
+                reference.wait()
         for launch in launches.values():  # a failed finish leaves the others: end them too
             stop_groups(launch[1])
             launch[0].shutdown()

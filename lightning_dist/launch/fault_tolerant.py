@@ -161,6 +161,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not script:
         parser.error("give the training script after --")
     host = args.bind.rsplit(":", 1)[0]
+    # SIGTERM ends the replica groups too (they run in sessions of their own): raise, run the finally
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     with Lighthouse(
         args.bind,
         args.min_replicas,
