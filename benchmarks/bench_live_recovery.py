@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine  # benchmarks/ is on sys.path when a benchmark runs
+from machine_info import machine, markdown_table  # benchmarks/ is on sys.path when a benchmark runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -202,12 +202,7 @@ def main(argv: list[str]) -> int:
          f"{max(during) / statistics.median(before):.1f}x ({max(during):.2f} s)", ""),
         ("kill -> killed group commits a step with its peer again", f"{back - killed_at:.1f} s", "< 5 s"),
     ]  # fmt: skip
-    table = "\n".join(
-        ["| figure | measured | target |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
-    )
-    print(table)
-    if args.table is not None:
-        args.table.write_text(table + "\n")
+    print(markdown_table(rows, args.table))
     return 0
 
 

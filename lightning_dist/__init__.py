@@ -38,16 +38,7 @@ __all__ = [
 ]
 __version__ = "0.2.0"
 
-_STRATEGIES = (
-    "DDP",
-    "Compressed",
-    "DiLoCo",
-    "Elastic",
-    "ElasticDiLoCo",
-    "FaultTolerant",
-    "Horovod",
-    "HorovodAdasum",
-)
+_STRATEGIES = tuple(name for name in __all__ if name != "collectives")
 
 
 def __getattr__(name: str) -> Any:
