@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 from pathlib import Path
+from typing import Optional
 
 
 def machine() -> str:
@@ -27,3 +28,13 @@ def plot_caption(machine_line: str, *details: str) -> str:
     cores = next((f for f in fields if f.endswith("cores")), "")
     model = next((f for f in fields[2:] if f != cores), "")
     return ", ".join(x for x in (model, cores, "CPU processes over Gloo", *details) if x)
+
+
+def markdown_table(rows: list[tuple[str, str, str]], path: Optional[Path] = None) -> str:
+    """``rows`` of (figure, measured, target) as a markdown table; also written to ``path`` when given."""
+    table = "\n".join(
+        ["| figure | measured | target |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
+    )
+    if path is not None:
+        path.write_text(table + "\n")
+    return table

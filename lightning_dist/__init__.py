@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.ddp import DDP
     from lightning_dist.strategies.diloco import DiLoCo
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
     from lightning_dist.strategies.sharded import Sharded
@@ -32,6 +33,7 @@ __all__ = [
     "DiLoCo",
     "Elastic",
     "ElasticDiLoCo",
+    "FaultTolerant",
     "Horovod",
     "HorovodAdasum",
     "Sharded",

@@ -161,4 +161,17 @@ def set_checkpoint_loader_state(checkpoint: MutableMapping[str, Any], states: li
     checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
 
 
+def set_global_step(trainer: Trainer, step: int, logger_step: bool = False) -> None:
+    """Make ``trainer.global_step`` ``step`` (with ``logger_step``, also the step loggers use, which
+    the loop advances itself after ``on_train_batch_end``): a strategy whose steps are counted
+    elsewhere (FaultTolerant: torchft's committed steps; a rejoining group starts its fit at the
+    quorum's step) keeps Lightning's count equal to it, so ``max_steps``, loggers and checkpoints
+    agree. No public API: the counters live in the fit loop's private progress objects."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = step
+    epoch_loop.manual_optimization.optim_step_progress.total.completed = step
+    if logger_step:
+        epoch_loop._batches_that_stepped = step
+
+
 check_versions()  # once Lightning is loaded (here, or by the registration hook if it loaded first)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make setup`: the project's virtualenv with everything the demo and the tests need, one line per
 # step with the elapsed time. Steps: system packages (apt-get, as root only), the venv, torch (the
-# CPU build first, so nothing pulls a CUDA one), the package with its dev/notebook extras, Horovod.
+# CPU build first, so nothing pulls a CUDA one), the package with its dev/notebook/ft extras, Horovod.
 #
 # Without root the system packages are not installed: the step says which are missing and the rest
 # still installs (the pack itself needs none of them; Horovod needs MPI + a compiler, the SLURM and
@@ -28,8 +28,8 @@ test -x "$PY" || python3 -m venv "$VENV"
 "$PY" -m pip install -q --upgrade pip
 step "torch ($TORCH_SPEC)"
 "$PY" -m pip install -q "$TORCH_SPEC"
-step "lightning-dist with its dev and notebook extras (pip install -e)"
-"$PY" -m pip install -q -e ".[dev,notebooks,horovod-build]"
+step "lightning-dist with its dev, notebook and ft (torchft) extras (pip install -e)"
+"$PY" -m pip install -q -e ".[dev,notebooks,horovod-build,ft]"
 step "Horovod (lightning-dist install-horovod: a few minutes the first time, then from its wheel cache)"
 if ! "$PY" -m lightning_dist.install_horovod; then
   if [ "$root" = 1 ]; then exit 1; fi

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.ddp import DDP
     from lightning_dist.strategies.diloco import DiLoCo
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
     from lightning_dist.strategies.sharded import Sharded
@@ -24,6 +25,7 @@ _CLASSES = {
     "Elastic": "elastic",
     "ElasticDiLoCo": "elastic",
     "ElasticMixin": "elastic",
+    "FaultTolerant": "fault_tolerant",
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
     "Sharded": "sharded",
@@ -38,6 +40,7 @@ __all__ = [
     "Elastic",
     "ElasticDiLoCo",
     "ElasticMixin",
+    "FaultTolerant",
     "Horovod",
     "HorovodAdasum",
     "Sharded",

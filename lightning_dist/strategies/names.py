@@ -34,6 +34,7 @@ HOROVOD = f"{_PACKAGE}.horovod.Horovod"
 HOROVOD_ADASUM = f"{_PACKAGE}.horovod_adasum.HorovodAdasum"
 SHARDED = f"{_PACKAGE}.sharded.Sharded"
 SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
+FAULT_TOLERANT = f"{_PACKAGE}.fault_tolerant.FaultTolerant"
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,11 @@ def _names() -> list[Name]:
             ELASTIC_DILOCO,
             "DiLoCo with Elastic's commits and exactly-once data (torchrun)",
             "elastic_diloco",
+        ),
+        Name(
+            "ld_fault_tolerant",
+            FAULT_TOLERANT,
+            "live recovery on torchft: healthy replica groups train on, a failed one rejoins from a peer",
         ),
         Name("ld_horovod", HOROVOD, "Horovod, average of the gradients", "horovod"),
         Name("ld_horovod_sum", HOROVOD, "Horovod, sum of the gradients", "horovod_sum", {"op": "sum"}),

@@ -1,0 +1,210 @@
+"""FaultTolerant (live recovery on torchft) against Elastic (torchrun restarts) on the embedded workload.
+
+    python benchmarks/bench_live_recovery.py                 # 2 replica groups x 1 CPU process, Gloo
+    python benchmarks/bench_live_recovery.py --steps 60 --kill-step 10 --table docs/live-recovery-table.md
+
+Three launches of this script, the same global batch (2 x WorkloadConfig().batch_size) throughout:
+
+elastic   ``torchrun --standalone --nproc-per-node=2`` with ``Elastic`` and no commit in the run: the
+          per-step reference without faults.
+ft        two replica groups (one torchrun each, ``lightning_dist.launch.fault_tolerant``) with
+          ``FaultTolerant``, no fault: per-step overhead of the quorum = mean step / Elastic's (target
+          <= 1.05).
+kill      the same, group 1 SIGKILLs itself at the start of step ``--kill-step`` and its torchrun
+          restarts it. Steps redone: committed steps that were committed again (target 0); the
+          step in flight at the kill is not committed and runs again (reported apart). The healthy
+          group's slowest step from the kill until group 1 is back, over its median step before
+          the kill. Rejoin: from the kill to the first step committed by both groups again.
+
+Step times are the gaps between consecutive committed steps (``time.time()`` at each step's end),
+over steps after ``--warmup``; the table is a mean, as one step in N carries the quorum or commit.
+Prints the machine, the commands and a markdown table; writes it to ``--table`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from machine_info import machine, markdown_table  # benchmarks/ is on sys.path when a benchmark runs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60, help="optimizer steps per fit")
+    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the means")
+    p.add_argument("--kill-step", type=int, default=10, help="group 1 is killed at the start of this step")
+    p.add_argument("--table", type=Path, default=None, help="also write the markdown table here")
+    p.add_argument("--worker", choices=["elastic", "ft"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# -- workers ---------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    import lightning as L
+    import torch
+
+    from lightning_dist import Elastic, FaultTolerant
+    from lightning_dist.workload import TinyCausalLM, WorkloadConfig
+    from lightning_dist.workload.trainer import quiet_trainer
+
+    group = int(os.environ.get("REPLICA_GROUP_ID", os.environ.get("RANK", "0")))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rows: list[dict[str, Any]] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *rest: Any) -> None:
+            if args.kill and attempt == 0 and group == 1 and trainer.global_step == args.kill_step:
+                (args.out / "killed_at").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_train_batch_end(self, trainer: L.Trainer, *rest: Any) -> None:
+            committed = getattr(trainer.strategy, "committed", None)
+            if committed is not None:  # FaultTolerant: the steps its quorums committed
+                for rec in committed[len(rows) :]:
+                    rows.append({"step": rec.step, "t": time.time(), "participants": rec.participants})
+            elif not rows or rows[-1]["step"] != trainer.global_step - 1:
+                rows.append({"step": trainer.global_step - 1, "t": time.time(), "participants": 2})
+
+    torch.set_num_threads(1)
+    L.seed_everything(1234, verbose=False)
+    config = WorkloadConfig()
+    if args.worker == "ft":
+        strategy: Any = FaultTolerant(replica_groups=2, global_batch=2 * config.batch_size, commit_every=0)
+        devices = 1
+    else:
+        strategy = Elastic(commit_every=args.steps + 1, dirpath=args.out / "commits")
+        devices = 2
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        limit_val_batches=0,
+        default_root_dir=args.out,
+        callbacks=[Clock()],
+    )
+    trainer.fit(TinyCausalLM(config))
+    uncommitted = getattr(strategy, "uncommitted_steps", 0)
+    with open(args.out / f"steps_{group}_{attempt}.json", "w") as fh:
+        json.dump({"rows": rows, "uncommitted": uncommitted}, fh)
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+
+
+def _script(args: argparse.Namespace, mode: str, out: Path, kill: bool = False) -> list[str]:
+    cmd = [str(Path(__file__).resolve()), "--worker", mode, "--out", str(out), "--steps", str(args.steps)]
+    return cmd + ["--kill-step", str(args.kill_step)] + (["--kill"] if kill else [])
+
+
+def run_elastic(args: argparse.Namespace, out: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--max-restarts=0", *_script(args, "elastic", out)]  # fmt: skip
+    print("$ torchrun --standalone --nproc-per-node=2 " + " ".join(cmd[5:]), flush=True)
+    subprocess.run(
+        cmd, env=_env(), cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def run_ft(args: argparse.Namespace, out: Path, kill: bool) -> None:
+    from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups
+
+    script = _script(args, "ft", out, kill)
+    print("$ python -m lightning_dist.launch.fault_tolerant --groups 2 -- " + " ".join(script), flush=True)
+    with Lighthouse(heartbeat_timeout_ms=1000) as lighthouse:
+        procs = start_groups(
+            script, 2, lighthouse.address, max_restarts=1, env=_env(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            codes = [p.wait(timeout=900) for p in procs]
+        finally:
+            stop_groups(procs)
+    if any(codes):
+        raise SystemExit(f"bench_live_recovery: a replica group failed ({codes})")
+
+
+def _result(out: Path, group: int, attempt: int) -> dict[str, Any]:
+    path = out / f"steps_{group}_{attempt}.json"
+    return json.loads(path.read_text()) if path.exists() else {"rows": [], "uncommitted": 0}
+
+
+def _rows(out: Path, group: int, attempt: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = _result(out, group, attempt)["rows"]
+    return rows
+
+
+def mean_step(rows: list[dict[str, Any]], warmup: int) -> float:
+    gaps = [
+        b["t"] - a["t"] for a, b in zip(rows, rows[1:]) if a["step"] >= warmup and b["step"] == a["step"] + 1
+    ]
+    return statistics.fmean(gaps)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        worker(args)
+        return 0
+    if not args.warmup + 2 <= args.kill_step < args.steps:
+        raise SystemExit("bench_live_recovery: need --warmup + 2 <= --kill-step < --steps")
+    print(f"machine: {machine()}\n2 x 1 CPU process (1 thread), Gloo, embedded workload (WorkloadConfig())")
+    with tempfile.TemporaryDirectory(prefix="bench_live_recovery_") as tmp:
+        elastic, ft, kill = Path(tmp, "elastic"), Path(tmp, "ft"), Path(tmp, "kill")
+        run_elastic(args, elastic)
+        run_ft(args, ft, kill=False)
+        run_ft(args, kill, kill=True)
+        elastic_step = mean_step(_rows(elastic, 0, 0), args.warmup)
+        ft_step = mean_step(_rows(ft, 0, 0), args.warmup)
+        survivor = _rows(kill, 0, 0)
+        in_flight = _result(kill, 0, 0)["uncommitted"]
+        first, restarted = _rows(kill, 1, 0), _rows(kill, 1, 1)
+        killed_at = float((kill / "killed_at").read_text())
+    steps = [r["step"] for r in survivor]
+    last_before = max((r["step"] for r in first), default=-1)
+    redone = len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before)
+    back = min((r["t"] for r in restarted if r["participants"] == 2), default=float("nan"))
+    pairs = list(zip(survivor, survivor[1:]))
+    before = [b["t"] - a["t"] for a, b in pairs if args.warmup <= a["step"] and b["t"] < killed_at]
+    during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < back]
+    rows = [
+        ("Elastic() mean step, no fault", f"{1000 * elastic_step:.1f} ms", ""),
+        ("FaultTolerant() mean step, no fault", f"{1000 * ft_step:.1f} ms", ""),
+        ("quorum overhead (FaultTolerant / Elastic)", f"{ft_step / elastic_step:.3f}", "<= 1.05"),
+        (f"committed steps redone after the kill at step {args.kill_step}", str(redone), "0"),
+        ("steps in flight at the kill, run again (not committed)", str(in_flight), ""),
+        ("healthy group's slowest step during the failure / its median step before",
+         f"{max(during) / statistics.median(before):.1f}x ({max(during):.2f} s)", ""),
+        ("kill -> killed group commits a step with its peer again", f"{back - killed_at:.1f} s", "< 5 s"),
+    ]  # fmt: skip
+    print(markdown_table(rows, args.table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

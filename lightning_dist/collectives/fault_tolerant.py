@@ -1,0 +1,384 @@
+"""Transport over torchft: one replica group's ``Manager`` (quorum through the Lighthouse, a Gloo or
+NCCL process group reconfigured in place at every new quorum, live recovery from a peer over HTTP)
+and a ``Backend`` whose all-reduce goes through it, so a strategy's bytes are counted like any other.
+
+torchft does the quorum, the reconfiguration and the transfer; this module only builds them for a
+strategy, checks what a recovering group receives (``checked_state``), and makes the checkpoint
+server listen on one address and load with ``weights_only`` (``SafeHTTPTransport``).
+
+torchft is an optional dependency (``pip install lightning-dist[ft]``); importing this module
+without it works, building a transport raises ``ImportError`` saying what to install.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
+from typing import Any, Optional, cast
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+from typing_extensions import override
+
+from lightning_dist.collectives.backend import Backend
+from lightning_dist.collectives.communicator import Communicator
+from lightning_dist.collectives.futures import completed_future
+from lightning_dist.collectives.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
+
+TORCHFT_PIN = "torchft==0.2.0"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""torchft's variable for the Lighthouse address (``http://host:port``)."""
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+"""The replica group's id (torchft's examples use this name); set by the pack's launch helper."""
+HOST_ENV = "LD_FT_HOST"
+"""The address a replica group's servers listen on and advertise (default 127.0.0.1)."""
+
+
+def torchft_available() -> bool:
+    """Whether torchft imports here."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def require_torchft(owner: str = "FaultTolerant") -> None:
+    """Raise ``ImportError`` naming the extra to install when torchft is missing."""
+    if not torchft_available():
+        raise ImportError(
+            f"{owner} needs torchft: pip install 'lightning-dist[ft]' (pins {TORCHFT_PIN}; wheels for "
+            "Linux x86_64, CPython 3.10-3.13 only)"
+        )
+
+
+def _tensor_leaves(state: Any, prefix: str = "") -> dict[str, Tensor]:
+    """Every tensor in a nested dict/list state, by its path."""
+    out: dict[str, Tensor] = {}
+    if isinstance(state, Tensor):
+        out[prefix] = state
+    elif isinstance(state, Mapping):
+        for key, value in state.items():
+            out.update(_tensor_leaves(value, f"{prefix}/{key}"))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            out.update(_tensor_leaves(value, f"{prefix}/{i}"))
+    return out
+
+
+def state_checksum(state: Any) -> int:
+    """A checksum of every tensor's path, dtype, shape and bytes in ``state`` (order-independent of
+    dict insertion: paths are sorted)."""
+    import zlib
+
+    crc = 0
+    for path, t in sorted(_tensor_leaves(state).items()):
+        crc = zlib.crc32(f"{path}:{t.dtype}:{tuple(t.shape)}".encode(), crc)
+        crc = zlib.crc32(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+def checked_state(received: Any, expected_step: int, like: Mapping[str, Tensor]) -> Any:
+    """``received`` (a peer's state, stamped by ``stamp_state``) after checking it before anything
+    trains on it: its step is ``expected_step``, its checksum matches its tensors, and each tensor
+    in ``like`` (the recovering group's own model state) has the same shape and dtype there.
+    Raises ``ValueError`` naming what differs."""
+    if not isinstance(received, Mapping) or "state" not in received:
+        raise ValueError(
+            "FaultTolerant: the peer's state is not a stamped state (keys: state, step, checksum)"
+        )
+    if received.get("step") != expected_step:
+        raise ValueError(
+            f"FaultTolerant: the peer sent the state of step {received.get('step')}, the quorum agreed on "
+            f"step {expected_step}"
+        )
+    state = received["state"]
+    if state_checksum(state) != received.get("checksum"):
+        raise ValueError(
+            "FaultTolerant: the peer's state does not match its checksum (corrupted in transfer)"
+        )
+    model = state.get("model", {}) if isinstance(state, Mapping) else {}
+    for name, mine in like.items():
+        theirs = model.get(name)
+        if not isinstance(theirs, Tensor) or theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            got = "missing" if not isinstance(theirs, Tensor) else f"{tuple(theirs.shape)} {theirs.dtype}"
+            raise ValueError(
+                f"FaultTolerant: the peer's model entry {name!r} is {got}, this group's is "
+                f"{tuple(mine.shape)} {mine.dtype}: the groups train different models"
+            )
+    return state
+
+
+def stamp_state(state: Any, step: int) -> dict[str, Any]:
+    """``state`` with its step and checksum, as a peer sends it."""
+    return {"state": state, "step": step, "checksum": state_checksum(state)}
+
+
+def _safe_http_transport(timeout: timedelta, host: str) -> Any:
+    """torchft's ``HTTPTransport``, serving on ``host`` only (torchft's listens on every interface)
+    and loading what it fetches with ``weights_only=True`` (torchft's unpickles anything)."""
+    import urllib.request
+
+    from torchft.checkpointing._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.http import _IPv6HTTPServer
+
+    class SafeHTTPTransport(HTTPTransport):  # type: ignore[misc, type-arg]
+        """``HTTPTransport`` bound to ``host`` and loading with ``weights_only``."""
+
+        def __init__(self) -> None:
+            super().__init__(timeout=timeout, num_chunks=0)
+            # torchft's server listens on every interface: replaced before any use
+            old: Any = getattr(self, "_server")  # noqa: B009
+            handler = old.RequestHandlerClass
+            old.shutdown()
+            old.server_close()
+            getattr(self, "_thread").join()  # noqa: B009
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+            class _Server(_IPv6HTTPServer):  # type: ignore[misc]
+                address_family = family
+
+            self._server = _Server((host, 0), handler)
+            self._thread = threading.Thread(target=self._serve, daemon=True)
+            self._thread.start()
+
+        @override
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{port}/checkpoint/"
+
+        @classmethod
+        @override
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return SafeHTTPTransport()
+
+
+@contextlib.contextmanager
+def _manager_server_on(host: str) -> Iterator[None]:
+    """While torchft's ``Manager`` is built, its ``ManagerServer`` (rank 0's quorum server) binds to
+    ``host`` instead of every interface (``Manager`` hard-codes ``[::]:port``); the port is kept."""
+    import torchft.manager as manager_module
+
+    real = manager_module.ManagerServer
+
+    def bound(**kwargs: Any) -> Any:
+        port = str(kwargs["bind"]).rsplit(":", 1)[1]
+        kwargs["bind"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return real(**kwargs)
+
+    manager_module.ManagerServer = bound  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        manager_module.ManagerServer = real  # type: ignore[misc]
+
+
+class ManagedBackend(Backend):
+    """Collectives among the replica groups in the current quorum, through torchft's ``Manager``.
+
+    ``all_reduce`` is the Manager's fault-tolerant all-reduce: a peer's failure is recorded (the
+    step is then not committed) instead of raised, and a group not participating contributes zeros.
+    Rank and world size are this group's place in the quorum. The other operations run on the
+    Manager's current process group (a failure raises)."""
+
+    name = "torchft"
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self._torch: Optional[tuple[int, TorchBackend]] = None
+
+    @property
+    def transport(self) -> str:
+        return str(self.manager._pg.getBackendName())
+
+    @property
+    @override
+    def rank(self) -> int:
+        rank = self.manager.participating_rank()
+        return 0 if rank is None else int(rank)
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return max(1, int(self.manager.num_participants()))
+
+    @property
+    @override
+    def device_type(self) -> str:
+        return "cuda" if "nccl" in self.transport else "cpu"
+
+    @override
+    def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
+        from torch.distributed import ReduceOp
+
+        if op not in ("sum", "avg"):
+            raise ValueError(
+                f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg' (torchft's Manager)"
+            )
+        if op == "avg":
+            tensor.div_(self.world_size)  # divide first, then sum, as TorchBackend does
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+        return completed_future(tensor)
+
+    def _current(self) -> TorchBackend:
+        """A ``TorchBackend`` over the Manager's current (latest configured) process group."""
+        group = self.manager._pg.parent
+        if self._torch is None or self._torch[0] != id(group):
+            self._torch = (id(group), TorchBackend(group))
+        return self._torch[1]
+
+    @override
+    def broadcast(self, tensor: Tensor, src: int) -> Future:
+        return self._current().broadcast(tensor, src)
+
+    @override
+    def all_gather(self, tensor: Tensor) -> Future:
+        return self._current().all_gather(tensor)
+
+    @override
+    def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
+        return self._current().reduce_scatter(output, inputs, op)
+
+    @override
+    def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
+        return self._current().all_to_all(outputs, inputs)
+
+    @override
+    def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
+        return self._current().send(tensor, dst, tag)
+
+    @override
+    def recv(self, tensor: Tensor, src: int, tag: int = 0) -> Future:
+        return self._current().recv(tensor, src, tag)
+
+    @override
+    def barrier(self) -> None:
+        self._current().barrier()
+
+    @override
+    def close(self) -> None:
+        if self._torch is not None:
+            self._torch[1].close()
+
+
+class FaultTolerantTransport:
+    """One replica group's torchft engine, owned by its strategy: the reconfigurable process group
+    (Gloo, or NCCL for CUDA), the checkpoint transport, the ``Manager`` and a ``Communicator`` over
+    ``ManagedBackend``.
+
+    ``state_dict``/``load_state_dict``: what a healthy group sends and a recovering one loads (the
+    strategy's model, optimizers and its own state); the received state is checked
+    (``checked_state``) before ``load_state_dict`` sees it. The Manager runs the quorum synchronously
+    at ``start_step``, so a recovering group has its peer's state before its first forward pass.
+    """
+
+    def __init__(
+        self,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        model_state: Callable[[], Mapping[str, Tensor]],
+        *,
+        min_replica_size: int,
+        device_type: str,
+        lighthouse: Optional[str],
+        replica_id: Optional[str],
+        timeout: timedelta,
+        quorum_timeout: timedelta,
+        host: str,
+        quorum_retries: int = 0,
+    ) -> None:
+        require_torchft()
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        self._state_dict = state_dict
+        self._load_state_dict = load_state_dict
+        self._model_state = model_state
+        self.store: Optional[torch.distributed.TCPStore] = None
+        store_addr, store_port = self._store_address(host)
+        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.checkpoint_transport = _safe_http_transport(timeout, host)
+        with _manager_server_on(host):
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=self._load_checked,
+                state_dict=self._stamped,
+                min_replica_size=min_replica_size,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=quorum_timeout,
+                store_addr=store_addr,
+                store_port=store_port,
+                rank=int(os.environ.get("RANK", "0")),
+                world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                lighthouse_addr=lighthouse,
+                replica_id=replica_id,
+                hostname=host,
+                checkpoint_transport=self.checkpoint_transport,
+                quorum_retries=quorum_retries,
+            )
+        self.communicator = Communicator(ManagedBackend(self.manager))
+
+    def _store_address(self, host: str) -> tuple[str, int]:
+        """The replica group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT), else one this process
+        hosts on ``host``."""
+        if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return host, int(self.store.port)
+
+    def _stamped(self) -> dict[str, Any]:
+        return stamp_state(self._state_dict(), self.manager.current_step())
+
+    def _load_checked(self, received: dict[str, Any]) -> None:
+        # torchft sets its step from the peer's torchft entry before it applies the user state
+        self._load_state_dict(checked_state(received, self.manager.current_step(), self._model_state()))
+
+    # -- per step ---------------------------------------------------------------------------------
+    def start_step(self) -> None:
+        """Join the quorum of the next step (a recovering group loads its peer's state here)."""
+        self.manager.start_quorum()
+
+    def resume(self, step: int) -> None:
+        """Start at committed ``step`` (a commit was loaded): the quorum then sees this group there."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def commit(self) -> bool:
+        """Whether every group of the quorum finished the step; the optimizer steps only then."""
+        return bool(self.manager.should_commit())
+
+    @property
+    def step(self) -> int:
+        """Committed steps (the global step every group agrees on)."""
+        return int(self.manager.current_step())
+
+    @property
+    def participants(self) -> int:
+        return int(self.manager.num_participants())
+
+    @property
+    def participant_rank(self) -> Optional[int]:
+        rank = self.manager.participating_rank()
+        return None if rank is None else int(rank)
+
+    @property
+    def errored(self) -> bool:
+        return self.manager.errored() is not None
+
+    def shutdown(self) -> None:
+        self.communicator.close()
+        self.manager.shutdown(wait=False)
+        cast(Any, self.checkpoint_transport)._server.server_close()

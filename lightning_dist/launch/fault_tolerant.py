@@ -1,0 +1,184 @@
+"""Launch a ``FaultTolerant`` job on one machine: torchft's Lighthouse, then one torchrun per replica group.
+
+    python -m lightning_dist.launch.fault_tolerant --groups 2 --max-restarts 3 -- train.py --epochs 1
+
+Each group is ``torchrun --standalone --nproc-per-node=1 --max-restarts=R`` with
+``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` set: a group whose worker dies is restarted by its own
+torchrun and rejoins the others, which keep training. The Lighthouse listens on ``--bind`` (default
+``127.0.0.1:0``, this machine only). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
+<head>:29510 --min_replicas 1``) and one torchrun per node with ``REPLICA_GROUP_ID=$SLURM_NODEID``
+(docs/live-recovery.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from lightning_dist.checks import check_int
+from lightning_dist.collectives.fault_tolerant import (
+    HOST_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_GROUP_ENV,
+    require_torchft,
+)
+
+
+class Lighthouse:
+    """torchft's Lighthouse server in this process, listening on ``bind`` (``host:port``; port 0
+    picks one). ``restart()`` stops it and starts a new one on the same address (its quorum state
+    is lost; the groups' Managers retry and form the next quorum with it)."""
+
+    def __init__(
+        self,
+        bind: str = "127.0.0.1:0",
+        min_replicas: int = 1,
+        join_timeout_ms: int = 1000,
+        heartbeat_timeout_ms: int = 5000,
+        quorum_tick_ms: int = 50,
+    ) -> None:
+        check_int("min_replicas", min_replicas, 1, owner="Lighthouse")
+        check_int("join_timeout_ms", join_timeout_ms, 0, owner="Lighthouse")
+        check_int("heartbeat_timeout_ms", heartbeat_timeout_ms, 1, owner="Lighthouse")
+        if ":" not in bind:
+            raise ValueError(f"Lighthouse: bind={bind!r}; accepted: 'host:port' (port 0 picks a free one)")
+        self._options = {
+            "min_replicas": min_replicas,
+            "join_timeout_ms": join_timeout_ms,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+            "quorum_tick_ms": quorum_tick_ms,
+        }
+        self._server: Any = self._start(bind)
+        host = bind.rsplit(":", 1)[0]
+        port = self._server.address().rsplit(":", 1)[1]
+        self.bind = f"{host}:{port}"
+        """The address it listens on, with the port it got (``restart`` reuses it)."""
+        self.address: str = f"http://{self.bind}"
+        """``http://host:port`` (what ``TORCHFT_LIGHTHOUSE`` holds): the listen address, not the
+        machine's name (torchft's ``address()``), which may resolve to another interface."""
+
+    def _start(self, bind: str) -> Any:
+        require_torchft("Lighthouse")
+        from torchft.coordination import LighthouseServer
+
+        return LighthouseServer(bind=bind, **self._options)
+
+    def shutdown(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+
+    def restart(self) -> None:
+        self.shutdown()
+        self._server = self._start(self.bind)
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def group_command(
+    script: Sequence[str], *, max_restarts: int = 3, torchrun: Optional[str] = None
+) -> list[str]:
+    """The torchrun command of one replica group running ``script`` (``[path, *args]``)."""
+    check_int("max_restarts", max_restarts, 0)
+    runner = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    return [
+        *runner,
+        "--standalone",
+        "--nnodes=1",
+        "--nproc-per-node=1",
+        f"--max-restarts={max_restarts}",
+        *script,
+    ]
+
+
+def group_env(
+    group: int, lighthouse: str, host: str = "127.0.0.1", env: Optional[dict[str, str]] = None
+) -> dict[str, str]:
+    """The environment of replica group ``group``: its id, the Lighthouse and the listen address."""
+    out = dict(os.environ if env is None else env)
+    out.update({REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse, HOST_ENV: host})
+    return out
+
+
+def start_groups(
+    script: Sequence[str],
+    groups: int,
+    lighthouse: str,
+    *,
+    max_restarts: int = 3,
+    host: str = "127.0.0.1",
+    env: Optional[dict[str, str]] = None,
+    **popen: Any,
+) -> list[subprocess.Popen[Any]]:
+    """Start ``groups`` torchruns (replica groups 0..groups-1) of ``script``; the caller waits for
+    them and ends them (by PID) if it stops early."""
+    check_int("groups", groups, 1)
+    return [
+        subprocess.Popen(
+            group_command(script, max_restarts=max_restarts),
+            env=group_env(g, lighthouse, host, env),
+            start_new_session=True,
+            **popen,
+        )
+        for g in range(groups)
+    ]
+
+
+def stop_groups(procs: Sequence[subprocess.Popen[Any]]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the torchrun's own session: it and its workers
+    for proc in procs:
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_dist.launch.fault_tolerant", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--groups", type=int, default=2, help="replica groups (one torchrun each)")
+    parser.add_argument("--max-restarts", type=int, default=3, help="restarts of each group by its torchrun")
+    parser.add_argument("--min-replicas", type=int, default=1, help="the Lighthouse's quorum minimum")
+    parser.add_argument("--bind", default="127.0.0.1:0", help="the Lighthouse's listen address")
+    parser.add_argument("--join-timeout-ms", type=int, default=1000)
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    parser.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py [args]")
+    args = parser.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script:
+        parser.error("give the training script after --")
+    host = args.bind.rsplit(":", 1)[0]
+    # SIGTERM ends the replica groups too (they run in sessions of their own): raise, run the finally
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    with Lighthouse(
+        args.bind,
+        args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    ) as lighthouse:
+        print(f"lighthouse: {lighthouse.address}", flush=True)
+        procs = start_groups(
+            script, args.groups, lighthouse.address, max_restarts=args.max_restarts, host=host
+        )
+        try:
+            codes = [proc.wait() for proc in procs]
+        finally:
+            stop_groups(procs)
+    return max(codes, default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

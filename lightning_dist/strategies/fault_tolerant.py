@@ -1,0 +1,538 @@
+"""``FaultTolerant``: live recovery on torchft. Replica groups train on; a failed one rejoins from a peer.
+
+    python -m lightning_dist.launch.fault_tolerant --groups 2 -- train.py   # one box: Lighthouse + torchruns
+    # train.py: L.Trainer(strategy=FaultTolerant(replica_groups=2), max_steps=1000)
+
+Each replica group is one process under its own torchrun (``--max-restarts``); torchft's Lighthouse
+forms a quorum of the live groups at every step, torchft's Manager reconfigures the Gloo (NCCL on
+CUDA) group among them in place, and a (re)started group fetches weights, optimizer and scheduler
+state from a healthy peer over torchft's checkpoint transport before its first forward pass. The
+healthy groups' processes are never restarted; a step in flight when a group dies is not committed
+and is run again by the quorum that follows.
+
+Exactly-once data: the global batch of step s is a fixed set of ``global_batch`` samples
+(``ElasticPlan``/``ElasticSampler`` of the pack's elastic data position, at world size 1: ``M``
+micro-batches), whoever is alive. Lightning accumulates over ``M`` micro-batch slots per step; the
+quorum's participants split the slots (slot j belongs to participant ``j % participants``), so when a
+group is missing the others take its slots (more accumulation each), and a rejoining group reads
+the slots of the step the quorum agreed on. The gradient is the sum over participants of their slots'
+gradients (Lightning scales each micro-batch loss by ``1/M``): the mean over the step's samples,
+the same with 2 groups or 1 up to the order of the float additions.
+
+The training DataLoader must be map-style with ``batch_size`` (the micro-batch); the strategy reads
+the samples of its slots itself (``dataset[i]`` and the loader's ``collate_fn``, in this process),
+after the quorum, and Lightning's loop iterates slot tokens (``Slot``): a hook that reads batches
+before ``training_step`` (``on_before_batch_transfer``, ``on_train_batch_start``) sees a ``Slot``.
+One process per replica group (``--nproc-per-node=1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_dist.checks import check_int, check_positive
+from lightning_dist.collectives import Communicator
+from lightning_dist.collectives.fault_tolerant import (
+    HOST_ENV,
+    LIGHTHOUSE_ENV,
+    REPLICA_GROUP_ENV,
+    FaultTolerantTransport,
+    require_torchft,
+)
+from lightning_dist.compat import disable_distributed_sampler, set_global_step
+from lightning_dist.elastic.commits import CommitStore
+from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
+from lightning_dist.strategies.names import register_class
+
+logger = logging.getLogger(__name__)
+OWNER = "FaultTolerant"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What Lightning's loop iterates: the ``index``-th micro-batch slot of the epoch (slot
+    ``index % M`` of its step); the strategy reads the samples once the quorum says whose it is."""
+
+    index: int
+
+
+def owns_slot(slot: int, participants: int, rank: Optional[int]) -> bool:
+    """Whether the quorum's participant ``rank`` (None: not participating) computes ``slot``: slot j
+    goes to participant ``j % participants``, so every slot of a step has exactly one owner."""
+    return rank is not None and slot % participants == rank
+
+
+def _slot(index: int) -> Slot:
+    return Slot(int(index))
+
+
+@dataclass
+class StepRecord:
+    """One committed step as this group saw it: the samples it trained on and the quorum's size."""
+
+    step: int
+    indices: list[int]
+    participants: int
+
+
+class _StepCallback(L.Callback):
+    """Keeps ``trainer.global_step`` equal to the committed step after each optimizer step, and
+    writes the commits (every ``commit_every`` steps and at the end of fit)."""
+
+    def __init__(self, strategy: FaultTolerant) -> None:
+        self.strategy = strategy
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        strategy = self.strategy
+        if (
+            strategy.transport is not None
+            and strategy._slot_in_step(batch_idx) == strategy.slots_per_step - 1
+        ):
+            set_global_step(trainer, strategy.transport.step)
+            if strategy.commit_every and strategy.transport.step % strategy.commit_every == 0:
+                strategy.write_commit()
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.strategy.write_commit()
+
+
+class FaultTolerant(SingleDeviceStrategy):
+    """One replica group of a live-recovery job on torchft (module docstring).
+
+    Args:
+        replica_groups: the groups the job is configured for; with ``global_batch`` unset, a step
+            takes ``replica_groups`` x the DataLoader's ``batch_size`` samples.
+        global_batch: samples per optimizer step over all groups (a multiple of the micro-batch).
+        min_replica_size: the fewest groups that may commit a step (torchft's ``min_replica_size``).
+        lighthouse: the Lighthouse address (default: ``$TORCHFT_LIGHTHOUSE``).
+        replica_id: this group's id (default: ``$REPLICA_GROUP_ID``, else torchft's random one).
+        host: the address this group's servers listen on and advertise (checkpoint server, store);
+            default ``$LD_FT_HOST`` or ``127.0.0.1``: set the node's address on a cluster.
+        timeout_s: collectives, commits and checkpoint transfers (a group stopped longer is
+            dropped from the quorum).
+        quorum_timeout_s: how long a quorum may take to form.
+        quorum_retries: times a failed quorum request (the Lighthouse unreachable, restarting) is
+            retried before the group fails (torchft's ``quorum_retries``).
+        commit_every: committed steps between the pack's atomic commits (``CommitStore``, written by
+            the quorum's participant 0, and at the end of fit); 0 writes none. A group that starts
+            resumes from the newest one (``dirpath``), so a whole-job restart, or a group that finds
+            no live peer, loses at most ``commit_every`` steps; with live peers it recovers from them.
+        dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups.
+        keep: commits kept.
+        start_groups: the groups a fresh run's first step waits for (up to ``quorum_timeout_s``,
+            then it starts with those there); default ``replica_groups``. A group that joins later
+            fetches the state of the step it joins at from a peer.
+        seed: seed of the per-epoch sample order (``ElasticSampler``).
+        device: this group's device (default: ``cuda:$LOCAL_RANK`` when CUDA is available, else CPU).
+    """
+
+    strategy_name = "ld_fault_tolerant"
+
+    def __init__(
+        self,
+        replica_groups: int = 2,
+        global_batch: Optional[int] = None,
+        min_replica_size: int = 1,
+        lighthouse: Optional[str] = None,
+        replica_id: Optional[str] = None,
+        host: Optional[str] = None,
+        timeout_s: float = 60.0,
+        quorum_timeout_s: float = 60.0,
+        quorum_retries: int = 3,
+        seed: int = 0,
+        commit_every: int = 50,
+        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
+        keep: int = 3,
+        start_groups: Optional[int] = None,
+        device: Optional[Union[str, torch.device]] = None,
+        accelerator: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+    ) -> None:
+        check_int("replica_groups", replica_groups, 1, owner=OWNER)
+        if global_batch is not None:
+            check_int("global_batch", global_batch, 1, owner=OWNER)
+        check_int("min_replica_size", min_replica_size, 1, replica_groups, owner=OWNER)
+        check_positive("timeout_s", timeout_s, owner=OWNER)
+        check_positive("quorum_timeout_s", quorum_timeout_s, owner=OWNER)
+        check_int("seed", seed, 0, owner=OWNER)
+        check_int("quorum_retries", quorum_retries, 0, owner=OWNER)
+        check_int("commit_every", commit_every, 0, owner=OWNER)
+        check_int("keep", keep, 1, owner=OWNER)
+        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
+            raise ValueError(f"{OWNER}: dirpath={dirpath!r}; accepted: None, a str or a path")
+        if start_groups is not None:
+            check_int("start_groups", start_groups, 1, replica_groups, owner=OWNER)
+        require_torchft(OWNER)
+        if device is None:
+            cuda = torch.cuda.is_available()
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if cuda else "cpu"
+        super().__init__(
+            device=device,
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.replica_groups = replica_groups
+        self.global_batch = global_batch
+        self.min_replica_size = min_replica_size
+        self.lighthouse = lighthouse
+        self.replica_id = replica_id
+        self.host = host
+        self.timeout_s = timeout_s
+        self.quorum_timeout_s = quorum_timeout_s
+        self.quorum_retries = quorum_retries
+        self.seed = seed
+        self.start_groups = replica_groups if start_groups is None else start_groups
+        self.commit_every = commit_every
+        self.dirpath = dirpath
+        self.keep = keep
+        self.store: Optional[CommitStore] = None
+        self.resumed_from: Optional[int] = None
+        """The step of the commit this group resumed from (None: none)."""
+        self.transport: Optional[FaultTolerantTransport] = None
+        self.plan: Optional[ElasticPlan] = None
+        self._dataset: Any = None
+        self._collate: Callable[[list[Any]], Any] = lambda samples: samples
+        self._samplers: dict[int, ElasticSampler] = {}
+        self._participants = 1
+        self._rank: Optional[int] = None
+        self._step_indices: list[int] = []
+        self._skipping = False
+        self.committed: list[StepRecord] = []
+        """Every step this group committed, with the samples it trained on (tests count them)."""
+        self.uncommitted_steps = 0
+        """Steps this group ran that were not committed (a peer failed during them)."""
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_class(strategy_registry, cls)
+
+    # -- the transport ----------------------------------------------------------------------------
+    @property
+    def communicator(self) -> Optional[Communicator]:
+        """The collectives over the quorum (``CommMonitor`` reads its counters)."""
+        return None if self.transport is None else self.transport.communicator
+
+    @override
+    def setup_environment(self) -> None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != 1:
+            raise ValueError(
+                f"{OWNER}: WORLD_SIZE={world}; a replica group is one process (torchrun --nproc-per-node=1, "
+                "one torchrun per group); accepted: WORLD_SIZE=1"
+            )
+        super().setup_environment()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            disable_distributed_sampler(trainer)
+
+    @override
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != "fit":
+            return
+        callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, _StepCallback) and c.strategy is self for c in callbacks):
+            callbacks.append(_StepCallback(self))
+        host = self.host or os.environ.get(HOST_ENV, "127.0.0.1")
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if not lighthouse:
+            raise ValueError(
+                f"{OWNER}: no Lighthouse address: pass lighthouse='http://host:port' or set ${LIGHTHOUSE_ENV} "
+                "(python -m lightning_dist.launch.fault_tolerant starts one and sets it)"
+            )
+        self.transport = FaultTolerantTransport(
+            self._state_dict,
+            self._load_state_dict,
+            self._model_state,
+            min_replica_size=self.min_replica_size,
+            device_type=self.root_device.type,
+            lighthouse=lighthouse,
+            replica_id=self.replica_id or os.environ.get(REPLICA_GROUP_ENV),
+            timeout=timedelta(seconds=self.timeout_s),
+            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            quorum_retries=self.quorum_retries,
+            host=host,
+        )
+        self.store = CommitStore(
+            self.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.keep
+        )
+        commit = self.store.load_latest()
+        if commit is not None:
+            # the floor: a group that finds live peers at a later step still recovers from them
+            self._load_state_dict(commit.state["state"])
+            self.transport.resume(commit.step)
+            self.resumed_from = commit.step
+            logger.info("%s: resumed from the commit of step %d (%s)", OWNER, commit.step, commit.path)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.transport is not None:  # a resumed group's loop starts at its commit's step
+            set_global_step(self._fit_trainer(), self.transport.step, logger_step=True)
+
+    @override
+    def teardown(self) -> None:
+        if self.transport is not None:
+            self.transport.shutdown()
+            self.transport = None
+        super().teardown()
+
+    def _fit_trainer(self) -> L.Trainer:
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
+
+    # -- what a peer sends --------------------------------------------------------------------------
+    def _model_state(self) -> Mapping[str, Tensor]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        schedulers = (
+            [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        )
+        return {
+            "model": dict(self._model_state()),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "schedulers": schedulers,
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(state["model"])
+        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        trainer = self.lightning_module.trainer
+        for config, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(sched_state)
+        logger.info(
+            "%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1
+        )
+
+    def write_commit(self) -> None:
+        """Commit the state of the last committed step, when this group is the quorum's participant 0
+        (one writer) and no commit of that step exists."""
+        if self.store is None or self.transport is None or not self.commit_every:
+            return
+        step = self.transport.step
+        if self.transport.participant_rank != 0 or step == 0 or self.store.latest_step() == step:
+            return
+        self.store.save(step, {"state": self._state_dict(), "step": step})
+
+    # -- data: slots ------------------------------------------------------------------------------
+    @property
+    def slots_per_step(self) -> int:
+        """``M``: micro-batches per step over all groups."""
+        return 1 if self.plan is None else self.plan.accumulate
+
+    def _slot_in_step(self, batch_idx: int) -> int:
+        return batch_idx % self.slots_per_step
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if (
+            trainer is None
+            or trainer.state.stage != RunningStage.TRAINING
+            or not isinstance(dataloader, DataLoader)
+        ):
+            return dataloader
+        if dataloader.batch_size is None:
+            raise ValueError(
+                f"{OWNER}: the training DataLoader must be built with batch_size= (the micro-batch); "
+                f"{OWNER} reads the samples of its slots itself"
+            )
+        micro = int(dataloader.batch_size)
+        global_batch = self.global_batch or self.replica_groups * micro
+        self.plan = ElasticPlan(
+            dataset_len=len(dataloader.dataset),  # type: ignore[arg-type]
+            global_batch=global_batch,
+            world_size=1,
+            micro_batch=micro,
+            on_indivisible="error",
+        )
+        if trainer.accumulate_grad_batches not in (1, self.plan.accumulate):
+            raise ValueError(
+                f"{OWNER}: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}); {OWNER} "
+                "accumulates the global batch's micro-batches itself (global_batch=); accepted: 1"
+            )
+        trainer.accumulate_grad_batches = self.plan.accumulate
+        self._dataset = dataloader.dataset
+        self._collate = dataloader.collate_fn
+        slots = self.plan.steps_per_epoch * self.plan.accumulate
+        return DataLoader(range(slots), batch_size=None, collate_fn=_slot)  # type: ignore[arg-type]
+
+    def _sampler(self, epoch: int) -> ElasticSampler:
+        assert self.plan is not None
+        if epoch not in self._samplers:
+            self._samplers = {epoch: ElasticSampler(self.plan, 0, seed=self.seed, epoch=epoch)}
+        return self._samplers[epoch]
+
+    def slot_indices(self, step: int, slot: int) -> list[int]:
+        """The dataset indices of ``slot`` of global step ``step`` (the same on every group)."""
+        assert self.plan is not None
+        epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
+        return self._sampler(epoch).rank_batches(in_epoch, 0)[slot]
+
+    @property
+    def participants(self) -> int:
+        """Groups in the current step's quorum."""
+        return self._participants
+
+    def owns(self, slot: int) -> bool:
+        """Whether this group computes ``slot`` of the current step."""
+        return owns_slot(slot, self._participants, self._rank)
+
+    @override
+    def batch_to_device(
+        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
+    ) -> Any:
+        if isinstance(batch, Slot):
+            return batch  # read after the quorum, in training_step
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.transport is None or self._slot_in_step(batch_idx) != 0:
+            return
+        self._join()
+        self._participants = max(1, self.transport.participants)
+        self._rank = self.transport.participant_rank
+        self._step_indices = []
+        self._skipping = self._catch_up()
+        if self._skipping:
+            self._rank = None  # this step's quorum was formed at the old step: it is not run
+        trainer = self._fit_trainer()
+        set_global_step(trainer, self.transport.step, logger_step=True)
+        if self._skipping and trainer.max_steps >= 0 and self.transport.step >= trainer.max_steps:
+            trainer.should_stop = True
+
+    def _catch_up(self) -> bool:
+        """A group alone in its quorum whose step is behind the newest commit (its peers went on and
+        ended, or died, while it was stopped or restarting) loads that commit instead of training
+        steps the job has already committed; True when it did."""
+        assert self.transport is not None
+        if self.transport.participants > 1 or self.store is None or not self.commit_every:
+            return False
+        newest = self.store.latest_step()
+        if newest is None or newest <= self.transport.step:
+            return False
+        commit = self.store.load_latest()
+        if commit is None or commit.step <= self.transport.step:
+            return False
+        logger.warning(
+            "%s: alone at step %d behind the commit of step %d: resuming from it",
+            OWNER,
+            self.transport.step,
+            commit.step,
+        )
+        self._load_state_dict(commit.state["state"])
+        self.transport.resume(commit.step)
+        self.resumed_from = commit.step
+        return True
+
+    def _join(self) -> None:
+        """Join the step's quorum (a recovering group loads its peer's state here); a fresh run's
+        first step (not a torchrun restart) asks again until ``start_groups`` groups are in it or
+        ``quorum_timeout_s`` passed."""
+        assert self.transport is not None
+        deadline = time.monotonic() + self.quorum_timeout_s
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        self.transport.start_step()
+        while (
+            not restarted
+            and self.transport.step == 0
+            and self.transport.participants < self.start_groups
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+            self.transport.start_step()
+        if not restarted and self.transport.step == 0 and self.transport.participants < self.start_groups:
+            logger.warning(
+                "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",
+                OWNER,
+                self.transport.participants,
+                self.start_groups,
+                self.quorum_timeout_s,
+            )
+
+    def _read(self, indices: list[int], dataloader_idx: int = 0) -> Any:
+        module = self.lightning_module
+        assert module is not None
+        batch = self._collate([self._dataset[i] for i in indices])
+        batch = module.on_before_batch_transfer(batch, dataloader_idx)
+        batch = super().batch_to_device(batch, self.root_device, dataloader_idx)
+        return module.on_after_batch_transfer(batch, dataloader_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch = args[0] if args else kwargs.get("batch")
+        if not isinstance(batch, Slot) or self.transport is None:
+            return super().training_step(*args, **kwargs)
+        slot = batch.index % self.slots_per_step
+        if not self.owns(slot):
+            # another group computes this slot: nothing to add to the gradient
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        indices = self.slot_indices(self.transport.step, slot)
+        self._step_indices += indices
+        real = self._read(indices)
+        if args:
+            args = (real, *args[1:])
+        else:
+            kwargs["batch"] = real
+        return super().training_step(*args, **kwargs)
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _reduce_gradients(self) -> None:
+        """Sum every parameter's gradient over the quorum's groups (one flat all-reduce)."""
+        assert self.transport is not None and self.lightning_module is not None
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.transport.communicator.all_reduce(flat, "sum")
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        if self.transport is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        loss = closure()  # the step's last slot: forward and backward
+        if self._skipping:  # caught up from a commit at this step's start: nothing to commit
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+        self._reduce_gradients()
+        step = self.transport.step
+        if not self.transport.commit():
+            self.uncommitted_steps += 1
+            optimizer.zero_grad(set_to_none=True)
+            logger.warning("%s: step %d not committed (a peer failed); the quorum runs it again", OWNER, step)
+            return loss
+        self.committed.append(StepRecord(step, list(self._step_indices), self._participants))
+        return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
