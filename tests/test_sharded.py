@@ -31,7 +31,7 @@ SCRIPT = str(SCRIPTS / "sharded_run.py")
 MLP_SIZES = (12, 40, 24, 3)
 """tests/scripts/sharded_run.py's MLP."""
 MLP_LR = 0.1
-STEPS = 30
+STEPS = 20
 """Steps of the 2-process runs compared with the uncompressed one (AdamW, lr 3e-3, the tiny workload
 with two blocks)."""
 
@@ -219,9 +219,9 @@ def test_replica_sync_averages_the_shard_over_replicas(sync: str) -> None:
 
 
 # -- 2 processes ---------------------------------------------------------------------------------------
-BUDGET = 140
-"""Seconds for one launch (about 50 s for the 2-process one on 2 shared cores); the slow tests have
-the suite's 300 s timeout, at least twice a budget."""
+BUDGET = 240
+"""Seconds for one launch (each about 60 s on 2 idle cores, 150 s with a load of 16 on them); the
+slow tests' timeout is twice that."""
 
 
 def launch(out: Path, devices: int, runs: list[dict[str, Any]]) -> Path:
@@ -245,7 +245,16 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
         run["steps"] = STEPS
     resume = {"options": {"compression": "int8", "error_feedback": True}, "batches_per_epoch": 4}
     accumulate = {"accumulate": 2, "steps": 6}
+    lightning = {"strategy": "model_parallel", "model": "lm_user", "batches_per_epoch": 4}
     runs += [
+        {"name": "model_parallel_full", "epochs": 2, **lightning},
+        {"name": "model_parallel_half", "epochs": 1, "save": str(ckpt.parent / "ckpt_mp"), **lightning},
+        {
+            "name": "from_model_parallel",
+            "epochs": 2,
+            "batches_per_epoch": 4,
+            "resume": str(ckpt.parent / "ckpt_mp"),
+        },
         {"name": "model_parallel_acc", "strategy": "model_parallel", "model": "lm_user", **accumulate},
         {"name": "none_acc", **accumulate},
         {"name": "uninterrupted", "epochs": 2, **resume},
@@ -300,6 +309,7 @@ def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) -> None:
     """Sharded() with the user's fully_shard calls, and with its default per-layer policy (the same
     units here), ends bitwise where Lightning's ModelParallelStrategy does; DDP ends within float
@@ -321,16 +331,18 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
 
 
 # bounds on the relative L2 distance of the final weights from the uncompressed run's, after STEPS
-# AdamW steps; measured: bf16 3e-4, fp16 1.5e-4, int8 4e-3 (error feedback 3e-3). Per step, a bf16
-# cast errs by at most 2^-9 of each element, fp16 by 2^-11, int8 by half a block's step (absmax/254):
-# a relative gradient error eps moves AdamW's normalised update by about eps * lr per step, and the
-# trajectories then diverge chaotically, so the bounds are the measured distances with a margin of 5.
+# AdamW steps; measured: bf16 2.4e-4, fp16 1.0e-4, int8 3.7e-3. Per step, a bf16 cast errs by at
+# most 2^-9 of each element, fp16 by 2^-11, int8 by half a block's step (absmax/254): a relative
+# gradient error eps moves AdamW's normalised update by about eps * lr per step, and the trajectories
+# then diverge chaotically, so no per-step bound carries over: the bounds are the measured distances
+# with a margin of 5 to 10 (the ratios of the three stay about those of their per-step errors).
 BOUNDS = {"bf16": 2e-3, "fp16": 1e-3, "int8": 2e-2}
 LOSS_BOUND = 0.01
-"""Final training loss within 1% of the uncompressed run's (measured: within 0.05%)."""
+"""Final training loss within 1% of the uncompressed run's (measured: int8 0.11%, bf16/fp16 0.001%)."""
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 @pytest.mark.parametrize("compression", sorted(BOUNDS))
 def test_compressed_reduce_scatter_within_bounds_of_uncompressed(two_ranks: Path, compression: str) -> None:
     reference = weights(two_ranks, "none")
@@ -348,6 +360,16 @@ def test_compressed_reduce_scatter_within_bounds_of_uncompressed(two_ranks: Path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_resumes_a_model_parallel_strategy_checkpoint(two_ranks: Path) -> None:
+    """A user moving from Lightning's ModelParallelStrategy: Sharded (default policy, the same units)
+    continues its distributed checkpoint where ModelParallelStrategy itself would, without a warning."""
+    assert_equal(weights(two_ranks, "from_model_parallel"), weights(two_ranks, "model_parallel_full"))
+    assert info(two_ranks, "from_model_parallel")["warnings"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_stop_and_resume_equals_the_uninterrupted_run_bitwise(two_ranks: Path) -> None:
     """int8 with error feedback: the residuals are per-rank state in the distributed checkpoint."""
     assert_equal(weights(two_ranks, "resumed"), weights(two_ranks, "uninterrupted"))
@@ -480,6 +502,7 @@ def hsdp_reference(out: Path, name: str, sync: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 @pytest.mark.parametrize("sync", ["int8", "adasum"])
 def test_hsdp_replica_sync_equals_the_written_out_step(four_ranks: Path, sync: str) -> None:
     name = f"hsdp_{sync}"
@@ -495,6 +518,7 @@ def test_hsdp_replica_sync_equals_the_written_out_step(four_ranks: Path, sync: s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_hsdp_uncompressed_equals_fsdp_over_every_rank(four_ranks: Path) -> None:
     """Averaging inside the shard group, then across replicas, is the 4-rank average (up to the
     rounding of (a + b) / 2 + (c + d) / 2 against (a + b + c + d) / 4)."""
@@ -505,6 +529,7 @@ def test_hsdp_uncompressed_equals_fsdp_over_every_rank(four_ranks: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_hsdp_stop_and_resume_equals_the_uninterrupted_run_bitwise(four_ranks: Path) -> None:
     """The replica-sync compressor's state (PowerSGD's factors and error feedback) is per-rank state
     in the distributed checkpoint; PowerSGD sends less than the uncompressed replica sync."""
@@ -516,6 +541,7 @@ def test_hsdp_stop_and_resume_equals_the_uninterrupted_run_bitwise(four_ranks: P
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_resume_at_another_shard_count_loads_the_weights_and_names_what_it_dropped(four_ranks: Path) -> None:
     assert_equal(weights(four_ranks, "resharded"), weights(four_ranks, "four_shards"))
     (warning,) = info(four_ranks, "resharded")["warnings"]  # once, by rank 0

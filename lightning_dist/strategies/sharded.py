@@ -66,8 +66,8 @@ from lightning_dist.warn import warn_once
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.sharded"
-"""In the checkpoint's metadata: ``{"world_size", "replicas", "compression", "entries"}``; in the
-distributed checkpoint: ``CHECKPOINT_KEY.rank<r>`` holds rank r's ``sharded_rank_state()``."""
+"""In the checkpoint's metadata: ``{"world_size": W, "replicas": R}``; in the distributed checkpoint,
+``CHECKPOINT_KEY.rank<r>`` holds rank r's ``sharded_rank_state()``."""
 MESH_DIMS = ("replicate", "shard")
 
 
@@ -365,9 +365,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
-            warn_once(
-                "Sharded: the checkpoint has no per-rank state (not written by Sharded); it starts afresh"
-            )
+            if self.options.error_feedback or self.options.replicas > 1:  # state this run will hold
+                warn_once(
+                    "Sharded: the checkpoint has no per-rank state (not written by Sharded); "
+                    f"{', '.join(self.rank_state_names())} start afresh"
+                )
             return checkpoint
         if saved != self._layout():
             warn_once(
