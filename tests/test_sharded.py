@@ -250,7 +250,11 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
     ]
     for run in runs:
         run["steps"] = STEPS
-    resume = {"options": {"compression": "int8", "error_feedback": True}, "batches_per_epoch": 4}
+    # the checkpoint written in the background (the 4-process resumes write theirs at once)
+    resume = {
+        "options": {"compression": "int8", "error_feedback": True, "async_save": True},
+        "batches_per_epoch": 4,
+    }
     accumulate = {"accumulate": 2, "steps": 6}
     lightning = {"strategy": "model_parallel", "model": "lm_user", "batches_per_epoch": 4}
     runs += [
@@ -265,7 +269,7 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
         {"name": "model_parallel_acc", "strategy": "model_parallel", "model": "lm_user", **accumulate},
         {"name": "none_acc", **accumulate},
         {"name": "uninterrupted", "epochs": 2, **resume},
-        {"name": "first_half", "epochs": 1, "save": str(ckpt), **resume},
+        {"name": "first_half", "epochs": 1, "save_in_fit": str(ckpt), **resume},
         {"name": "resumed", "epochs": 2, "resume": str(ckpt), **resume},
     ]
     return runs
@@ -378,7 +382,8 @@ def test_resumes_a_model_parallel_strategy_checkpoint(two_ranks: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
 def test_stop_and_resume_equals_the_uninterrupted_run_bitwise(two_ranks: Path) -> None:
-    """int8 with error feedback: the residuals are per-rank state in the distributed checkpoint."""
+    """int8 with error feedback: the residuals are per-rank state in the distributed checkpoint,
+    written in the background (``async_save=True``)."""
     assert_equal(weights(two_ranks, "resumed"), weights(two_ranks, "uninterrupted"))
     assert info(two_ranks, "resumed")["warnings"] == []
     assert sorted(p.name for p in (two_ranks / "ckpt").iterdir()) == [
