@@ -247,6 +247,7 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
         {"name": "bf16", "options": {"compression": "bf16"}},
         {"name": "fp16", "options": {"compression": "fp16"}},
         {"name": "int8", "options": {"compression": "int8"}},
+        {"name": "replicas_only", "options": {"replicas": 2}},  # shard groups of 1: the replica hook alone
     ]
     for run in runs:
         run["steps"] = STEPS
@@ -332,6 +333,10 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
     ddp = weights(two_ranks, "ddp")
     for k in reference:
         torch.testing.assert_close(ddp[k], reference[k], rtol=1e-5, atol=1e-6)
+    # replicas=2 on 2 ranks: FSDP2 reduce-scatters nothing (1 rank per shard group) and the replica
+    # sync averages whole gradients, as DDP does (halving then summing: bitwise at 2 ranks)
+    assert_equal(weights(two_ranks, "replicas_only"), ddp)
+    assert "reduce_scatter" not in info(two_ranks, "replicas_only")["bytes_by_op"]
     facts = info(two_ranks, "none")
     assert facts["fsdp_modules"] == 6  # embed, 2 blocks, norm, head, the root (pos); the encoder holds none
     by_op = facts["bytes_by_op"]
