@@ -57,8 +57,11 @@ class Regression(L.LightningModule):
             time.sleep(SLEEP)  # a lone group slows down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        # a per-step schedule: a step that is not committed must not move it
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Record(L.Callback):
