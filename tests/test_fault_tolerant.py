@@ -339,3 +339,57 @@ def test_stopped_group_and_lighthouse_restart_restart_nobody(runs: dict) -> None
     assert back and back[0] > alone[-1], "the stopped group did not heal to the quorum's step"
     assert events["lighthouse_down_at_step"] < STEPS, "the Lighthouse went down after the run ended"
     _check_against_reference(runs["reference"], out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(0)
+@pytest.mark.skipif(
+    not os.environ.get("LD_SOAK_MINUTES"),
+    reason="soak test (minutes): set LD_SOAK_MINUTES=10 (and LD_SOAK_EVERY=45, seconds between kills) to run it",
+)
+def test_soak_random_kills_lose_nothing(tmp_path: Path) -> None:
+    """For LD_SOAK_MINUTES, SIGKILL a random group's worker every LD_SOAK_EVERY seconds (when both
+    groups train together); every step's global batch is still trained exactly once, every kill
+    restarted only its own group, and the groups end on the same weights."""
+    import random
+
+    minutes = float(os.environ["LD_SOAK_MINUTES"])
+    every = float(os.environ.get("LD_SOAK_EVERY", "45"))
+    steps = int(minutes * 60)  # FT_PAUSE=0.4: about a second a step with both groups
+    out = tmp_path / "soak"
+    out.mkdir()
+    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
+    procs = start_groups(
+        [str(SCRIPT)],
+        2,
+        lighthouse.address,
+        max_restarts=1000,
+        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), FT_PAUSE="0.4", FT_COMMIT_EVERY="20"),
+        stdout=open(out / "log.txt", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    kills = {0: 0, 1: 0}
+    rng = random.Random(0)
+    try:
+        last_kill = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            time.sleep(1)
+            together = all(_rows(out, g) and _rows(out, g)[-1]["participants"] == 2 for g in (0, 1))
+            if together and time.monotonic() - last_kill > every:
+                group = rng.randrange(2)
+                os.kill(_pids(out, group)[-1][1], signal.SIGKILL)  # our child's worker, by PID
+                kills[group] += 1
+                last_kill = time.monotonic()
+            assert time.monotonic() - last_kill < 600, "no progress for 10 minutes"
+    finally:
+        stop_groups(procs)
+        lighthouse.shutdown()
+    assert [p.returncode for p in procs] == [0, 0], (out / "log.txt").read_text()[-4000:]
+    print(f"soak: {steps} steps, kills per group {kills}")
+    for group in (0, 1):
+        assert len(_pids(out, group)) == kills[group] + 1, f"group {group} restarted other than when killed"
+    samples = _steps(out)
+    assert sorted(samples) == list(range(steps))
+    for step, indices in samples.items():
+        assert len(indices) == GLOBAL_BATCH == len(set(indices)), f"step {step}: a sample lost or repeated"
+    assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))
