@@ -143,9 +143,10 @@ class FaultTolerant(SingleDeviceStrategy):
             no live peer, loses at most ``commit_every`` steps; with live peers it recovers from them.
         dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups.
         keep: commits kept.
-        start_groups: the groups a fresh run's first step waits for (up to ``quorum_timeout_s``,
-            then it starts with those there); default ``replica_groups``. A group that joins later
-            fetches the state of the step it joins at from a peer.
+        start_groups: the groups the first step of a fresh start (not a torchrun restart) waits
+            for (up to ``quorum_timeout_s``, then it starts with those there); default
+            ``replica_groups``. A group that joins later fetches the state of the step it joins at
+            from a peer.
         seed: seed of the per-epoch sample order (``ElasticSampler``).
         device: this group's device (default: ``cuda:$LOCAL_RANK`` when CUDA is available, else CPU).
     """
@@ -223,6 +224,7 @@ class FaultTolerant(SingleDeviceStrategy):
         self._rank: Optional[int] = None
         self._step_indices: list[int] = []
         self._skipping = False
+        self._joined = False
         self._stepped = False
         """Whether the current step's optimizer step ran (it was committed)."""
         self._schedulers: list[dict[str, Any]] = []
@@ -467,22 +469,18 @@ class FaultTolerant(SingleDeviceStrategy):
         return True
 
     def _join(self) -> None:
-        """Join the step's quorum (a recovering group loads its peer's state here); a fresh run's
-        first step (not a torchrun restart) asks again until ``start_groups`` groups are in it or
-        ``quorum_timeout_s`` passed."""
+        """Join the step's quorum (a recovering group loads its peer's state here). The first step of
+        a process that torchrun did not restart (a fresh run, or a whole job started again from its
+        commits) asks again until ``start_groups`` groups are in it or ``quorum_timeout_s`` passed."""
         assert self.transport is not None
         deadline = time.monotonic() + self.quorum_timeout_s
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        wait = not self._joined and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self._joined = True
         self.transport.start_step()
-        while (
-            not restarted
-            and self.transport.step == 0
-            and self.transport.participants < self.start_groups
-            and time.monotonic() < deadline
-        ):
+        while wait and self.transport.participants < self.start_groups and time.monotonic() < deadline:
             time.sleep(0.1)
             self.transport.start_step()
-        if not restarted and self.transport.step == 0 and self.transport.participants < self.start_groups:
+        if wait and self.transport.participants < self.start_groups:
             logger.warning(
                 "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",
                 OWNER,
