@@ -21,7 +21,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -217,12 +217,14 @@ def _weights(out: Path, group: int) -> dict[str, torch.Tensor]:
     return torch.load(out / f"final_{group}.pt", weights_only=True)
 
 
-def _check_against_reference(ref: Path, out: Path) -> None:
-    reference, faulty = _steps(ref), _steps(out)
+def _check_against_reference(ref: Path, out: Path, samples: Optional[dict[int, list[int]]] = None) -> None:
+    """Every step of the run in ``out`` (or ``samples``: step -> samples) trained its global batch
+    exactly once, the reference's samples, and both groups end on the reference's weights."""
+    reference, faulty = _steps(ref), _steps(out) if samples is None else samples
     assert sorted(faulty) == list(range(STEPS))
-    for step, samples in faulty.items():
-        assert len(samples) == GLOBAL_BATCH == len(set(samples)), f"step {step}: a sample lost or repeated"
-        assert sorted(samples) == sorted(reference[step]), f"step {step} trained other samples"
+    for step, indices in faulty.items():
+        assert len(indices) == GLOBAL_BATCH == len(set(indices)), f"step {step}: a sample lost or repeated"
+        assert sorted(indices) == sorted(reference[step]), f"step {step} trained other samples"
     for group in (0, 1):
         torch.testing.assert_close(_weights(out, group), _weights(ref, 0), atol=1e-6, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))
@@ -256,19 +258,38 @@ def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dic
     lighthouse.restart()
 
 
+def _kill_the_job_and_start_it_again(first: Path, again: Path, launch: Any, started: dict[str, Any]) -> None:
+    """Once the run in ``first`` has committed 17 steps (a commit at 10), end both its groups (the
+    whole job dies), then start the job again writing to ``again``, on ``first``'s commits."""
+    deadline = time.monotonic() + 200
+    while len(_rows(first, 0)) < 17 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop_groups(launch[1])
+    launch[0].shutdown()
+    started["again"] = _launch(again, FT_COMMITS=str(first / "ft_commits"))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant``); a run where group 1's worker SIGKILLs itself at
+    """Four launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant``); a run where group 1's worker SIGKILLs itself at
     step 4 (torchft's ``fail_at``) and its first restart SIGKILLs itself again while it applies its
-    peer's state; and a run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is
-    stopped and started again."""
+    peer's state; a run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is
+    stopped and started again; and a run whose whole job is ended at step 17 and started again."""
     base = tmp_path_factory.mktemp("ft_runs")
-    dirs = {name: base / name for name in ("reference", "kill", "stop")}
+    dirs = {name: base / name for name in ("reference", "kill", "stop", "whole", "whole_again")}
     events: dict[str, float] = {}
     launches = {
         "kill": _launch(dirs["kill"], FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"),
         "stop": _launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
+        "whole": _launch(dirs["whole"], FT_PAUSE="0.1"),
     }
+    started: dict[str, Any] = {}
+    restarter = threading.Thread(
+        target=_kill_the_job_and_start_it_again,
+        args=(dirs["whole"], dirs["whole_again"], launches["whole"], started),
+        daemon=True,
+    )
+    restarter.start()
     dirs["reference"].mkdir()
     reference = subprocess.Popen(  # the fault-free run, through the one-box launcher's command line
         [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--max-restarts", "0",
@@ -291,7 +312,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         assert code == 0, f"the launcher's run ended with {code}; log:\n{log}"
         for name in ("stop", "kill"):
             _finish(launches[name], dirs[name], timeout=240)
+        restarter.join(timeout=200)
+        assert "again" in started, "the whole job was not started again"
+        _finish(started["again"], dirs["whole_again"], timeout=200)
     finally:
+        restarter.join(timeout=200)
+        if "again" in started:
+            stop_groups(started["again"][1])
+            started["again"][0].shutdown()
         if reference.poll() is None:
             reference.terminate()  # the launcher ends its replica groups, then itself
             try:
@@ -339,3 +367,70 @@ def test_stopped_group_and_lighthouse_restart_restart_nobody(runs: dict) -> None
     assert back and back[0] > alone[-1], "the stopped group did not heal to the quorum's step"
     assert events["lighthouse_down_at_step"] < STEPS, "the Lighthouse went down after the run ended"
     _check_against_reference(runs["reference"], out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_whole_job_ended_resumes_from_its_commit(runs: dict) -> None:
+    """Both groups ended at step 17: the job started again resumes from the commit of step 10 (at
+    most commit_every=10 steps redone, on the same samples) and ends on the fault-free weights."""
+    first, again = runs["whole"], runs["whole_again"]
+    resumed = min(r["step"] for r in _rows(again, 0))
+    ended = max(r["step"] for r in _rows(first, 0))
+    assert resumed == 10 and 0 < ended + 1 - resumed <= 10, (resumed, ended)
+    before = {step: indices for step, indices in _steps(first).items() if step < resumed}
+    _check_against_reference(runs["reference"], again, {**before, **_steps(again)})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(0)
+@pytest.mark.skipif(
+    not os.environ.get("LD_SOAK_MINUTES"),
+    reason="soak test (minutes): set LD_SOAK_MINUTES=10 (and LD_SOAK_EVERY=45, seconds between kills) to run it",
+)
+def test_soak_random_kills_lose_nothing(tmp_path: Path) -> None:
+    """For LD_SOAK_MINUTES, SIGKILL a random group's worker every LD_SOAK_EVERY seconds (when both
+    groups train together); every step's global batch is still trained exactly once, every kill
+    restarted only its own group, and the groups end on the same weights."""
+    import random
+
+    minutes = float(os.environ["LD_SOAK_MINUTES"])
+    every = float(os.environ.get("LD_SOAK_EVERY", "45"))
+    steps = int(minutes * 60)  # FT_PAUSE=0.4: about a second a step with both groups
+    out = tmp_path / "soak"
+    out.mkdir()
+    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
+    procs = start_groups(
+        [str(SCRIPT)],
+        2,
+        lighthouse.address,
+        max_restarts=1000,
+        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), FT_PAUSE="0.4", FT_COMMIT_EVERY="20"),
+        stdout=open(out / "log.txt", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+    )
+    kills = {0: 0, 1: 0}
+    rng = random.Random(0)
+    try:
+        last_kill = time.monotonic()
+        while any(p.poll() is None for p in procs):
+            time.sleep(1)
+            together = all(_rows(out, g) and _rows(out, g)[-1]["participants"] == 2 for g in (0, 1))
+            if together and time.monotonic() - last_kill > every:
+                group = rng.randrange(2)
+                os.kill(_pids(out, group)[-1][1], signal.SIGKILL)  # our child's worker, by PID
+                kills[group] += 1
+                last_kill = time.monotonic()
+            assert time.monotonic() - last_kill < 600, "no progress for 10 minutes"
+    finally:
+        stop_groups(procs)
+        lighthouse.shutdown()
+    assert [p.returncode for p in procs] == [0, 0], (out / "log.txt").read_text()[-4000:]
+    print(f"soak: {steps} steps, kills per group {kills}")
+    for group in (0, 1):
+        assert len(_pids(out, group)) == kills[group] + 1, f"group {group} restarted other than when killed"
+    samples = _steps(out)
+    assert sorted(samples) == list(range(steps))
+    for step, indices in samples.items():
+        assert len(indices) == GLOBAL_BATCH == len(set(indices)), f"step {step}: a sample lost or repeated"
+    assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))

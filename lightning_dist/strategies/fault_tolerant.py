@@ -76,6 +76,11 @@ def owns_slot(slot: int, participants: int, rank: Optional[int]) -> bool:
     return rank is not None and slot % participants == rank
 
 
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings without its parameters (what a scheduler may change)."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
 def _slot(index: int) -> Slot:
     return Slot(int(index))
 
@@ -106,6 +111,7 @@ class _StepCallback(L.Callback):
             and strategy._slot_in_step(batch_idx) == strategy.slots_per_step - 1
         ):
             set_global_step(trainer, strategy.transport.step)
+            strategy.undo_schedulers()
             if strategy.commit_every and strategy.transport.step % strategy.commit_every == 0:
                 strategy.write_commit()
 
@@ -137,9 +143,10 @@ class FaultTolerant(SingleDeviceStrategy):
             no live peer, loses at most ``commit_every`` steps; with live peers it recovers from them.
         dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups.
         keep: commits kept.
-        start_groups: the groups a fresh run's first step waits for (up to ``quorum_timeout_s``,
-            then it starts with those there); default ``replica_groups``. A group that joins later
-            fetches the state of the step it joins at from a peer.
+        start_groups: the groups the first step of a fresh start (not a torchrun restart) waits
+            for (up to ``quorum_timeout_s``, then it starts with those there); default
+            ``replica_groups``. A group that joins later fetches the state of the step it joins at
+            from a peer.
         seed: seed of the per-epoch sample order (``ElasticSampler``).
         device: this group's device (default: ``cuda:$LOCAL_RANK`` when CUDA is available, else CPU).
     """
@@ -217,6 +224,13 @@ class FaultTolerant(SingleDeviceStrategy):
         self._rank: Optional[int] = None
         self._step_indices: list[int] = []
         self._skipping = False
+        self._joined = False
+        self._stepped = False
+        """Whether the current step's optimizer step ran (it was committed)."""
+        self._schedulers: list[dict[str, Any]] = []
+        """The schedulers' states at the current step's start (restored when it is not committed)."""
+        self._hyper: list[list[dict[str, Any]]] = []
+        """The optimizers' param-group hyperparameters at the current step's start (likewise)."""
         self.committed: list[StepRecord] = []
         """Every step this group committed, with the samples it trained on (tests count them)."""
         self.uncommitted_steps = 0
@@ -421,6 +435,8 @@ class FaultTolerant(SingleDeviceStrategy):
         self._rank = self.transport.participant_rank
         self._step_indices = []
         self._skipping = self._catch_up()
+        self._schedulers = [c.scheduler.state_dict() for c in self._fit_trainer().lr_scheduler_configs]
+        self._hyper = [[_hyperparameters(g) for g in opt.param_groups] for opt in self.optimizers]
         if self._skipping:
             self._rank = None  # this step's quorum was formed at the old step: it is not run
         trainer = self._fit_trainer()
@@ -453,22 +469,18 @@ class FaultTolerant(SingleDeviceStrategy):
         return True
 
     def _join(self) -> None:
-        """Join the step's quorum (a recovering group loads its peer's state here); a fresh run's
-        first step (not a torchrun restart) asks again until ``start_groups`` groups are in it or
-        ``quorum_timeout_s`` passed."""
+        """Join the step's quorum (a recovering group loads its peer's state here). The first step of
+        a process that torchrun did not restart (a fresh run, or a whole job started again from its
+        commits) asks again until ``start_groups`` groups are in it or ``quorum_timeout_s`` passed."""
         assert self.transport is not None
         deadline = time.monotonic() + self.quorum_timeout_s
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        wait = not self._joined and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        self._joined = True
         self.transport.start_step()
-        while (
-            not restarted
-            and self.transport.step == 0
-            and self.transport.participants < self.start_groups
-            and time.monotonic() < deadline
-        ):
+        while wait and self.transport.participants < self.start_groups and time.monotonic() < deadline:
             time.sleep(0.1)
             self.transport.start_step()
-        if not restarted and self.transport.step == 0 and self.transport.participants < self.start_groups:
+        if wait and self.transport.participants < self.start_groups:
             logger.warning(
                 "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",
                 OWNER,
@@ -524,6 +536,7 @@ class FaultTolerant(SingleDeviceStrategy):
         if self.transport is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         loss = closure()  # the step's last slot: forward and backward
+        self._stepped = False
         if self._skipping:  # caught up from a commit at this step's start: nothing to commit
             optimizer.zero_grad(set_to_none=True)
             return loss
@@ -535,4 +548,16 @@ class FaultTolerant(SingleDeviceStrategy):
             logger.warning("%s: step %d not committed (a peer failed); the quorum runs it again", OWNER, step)
             return loss
         self.committed.append(StepRecord(step, list(self._step_indices), self._participants))
+        self._stepped = True
         return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+
+    def undo_schedulers(self) -> None:
+        """After a step that was not committed, put back the schedulers Lightning stepped anyway
+        (``interval="step"``), so the learning rate follows committed steps only."""
+        if self._stepped:
+            return
+        for config, state in zip(self._fit_trainer().lr_scheduler_configs, self._schedulers):
+            config.scheduler.load_state_dict(state)
+        for opt, groups in zip(self.optimizers, self._hyper):  # what the schedulers set (lr, momentum)
+            for group, saved in zip(opt.param_groups, groups):
+                group.update(saved)

@@ -5,7 +5,7 @@ group's worker SIGKILLs itself at the start of that step, on its first attempt o
 ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training alone sleeps FT_SLEEP
 per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
-itself while it applies its peer's state). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+itself while it applies its peer's state), FT_COMMITS (the commits' directory). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step) and ``final_<g>.pt`` (the weights at the end).
 """
@@ -57,8 +57,11 @@ class Regression(L.LightningModule):
             time.sleep(SLEEP)  # a lone group slows down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        # a per-step schedule: a step that is not committed must not move it
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Record(L.Callback):
@@ -117,6 +120,7 @@ def main() -> None:
         global_batch=16,
         timeout_s=float(os.environ.get("FT_TIMEOUT", "10")),
         commit_every=int(os.environ.get("FT_COMMIT_EVERY", "10")),
+        dirpath=os.environ.get("FT_COMMITS") or None,
     )
     if os.environ.get("FT_KILL_IN_RECOVERY") == str(GROUP) and ATTEMPT == 1:
         # the restarted worker dies again while it applies the state its peer sent
