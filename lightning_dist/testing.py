@@ -38,23 +38,31 @@ def run_in_threads(world_size: int, fn: Callable[[Communicator], T], timeout: fl
     results: list[object] = [None] * world_size
     failures: list[tuple[int, BaseException]] = []  # in the order ranks failed
     finished: set[int] = set()
+    kept: list[Communicator] = []  # the finished ranks' communicators, dropped by this thread
     cond = threading.Condition()
     give_up = deadline
 
     def _rank(r: int) -> None:
         nonlocal give_up
-        try:
-            # no local holds the group: clearing fn's frames on failure releases it
-            results[r] = fn(
-                Communicator(
-                    TorchBackend(
-                        dist.ProcessGroupGloo(
-                            dist.PrefixStore(prefix, store), r, world_size, timedelta(seconds=timeout)
-                        )
+        # only this list holds the group: emptied on failure, so clearing fn's frames releases it
+        holder = [
+            Communicator(
+                TorchBackend(
+                    dist.ProcessGroupGloo(
+                        dist.PrefixStore(prefix, store), r, world_size, timedelta(seconds=timeout)
                     )
                 )
             )
+        ]
+        try:
+            results[r] = fn(holder[0])
+            # Callbacks fn chained on its futures may hold the communicator; they are released in
+            # the group's own worker thread, and a group destroyed there aborts the process. The
+            # barrier lets them finish; the caller's thread then drops the group (``kept``).
+            holder[0].backend.barrier()  # not counted or traced: the harness's own call
+            kept.append(holder.pop())
         except BaseException as exc:  # noqa: BLE001  (re-raised in the caller)
+            holder.clear()
             with cond:
                 failures.append((r, exc))
                 give_up = min(give_up, time.monotonic() + FAILURE_GRACE_S)
@@ -74,6 +82,7 @@ def run_in_threads(world_size: int, fn: Callable[[Communicator], T], timeout: fl
         while len(finished) < world_size and time.monotonic() < give_up:
             cond.wait(max(0.0, give_up - time.monotonic()))
         running = sorted(set(range(world_size)) - finished)
+    kept.clear()
     if failures:
         r, err = failures[0]
         extra = f" (ranks {running} still running)" if running else ""
