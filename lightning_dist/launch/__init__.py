@@ -2,9 +2,15 @@
 DDP lives in the DDP strategy), and FaultTolerant's one-box launch (Lighthouse + one torchrun per
 replica group)."""
 
+from typing import TYPE_CHECKING, Any
+
 from lightning_dist.launch.elastic_run import run_elastic
-from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups
 from lightning_dist.launch.horovod_run import init_gloo_beside_horovod, run_horovod
+
+if TYPE_CHECKING:
+    from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups
+
+_FAULT_TOLERANT = ("Lighthouse", "start_groups", "stop_groups")
 
 __all__ = [
     "Lighthouse",
@@ -14,3 +20,13 @@ __all__ = [
     "start_groups",
     "stop_groups",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The FaultTolerant launch helpers, imported on first use (so that ``python -m
+    lightning_dist.launch.fault_tolerant`` runs the module once, not after an import of it)."""
+    if name in _FAULT_TOLERANT:
+        from lightning_dist.launch import fault_tolerant
+
+        return getattr(fault_tolerant, name)
+    raise AttributeError(f"module 'lightning_dist.launch' has no attribute {name!r}")
