@@ -22,7 +22,7 @@ Per row and cap: rank 0's bytes held for training (parameters, gradients, optimi
 last-sync copy and outer momentum; DTensors by their local shard) against ``DDP()``'s; the median step
 time over every timed step of every round against Lightning FSDP2's at the same cap; the bytes node 0
 sent across the link per timed step (its veth's tx bytes, headers included: what crosses between the
-nodes) and the pack's counted bytes (every collective of rank 0, inside the node too); the loss on 4
+nodes; read after a barrier at either end of the timed steps) and the pack's counted bytes (every collective of rank 0, inside the node too); the loss on 4
 fixed validation batches after training, against Lightning FSDP2's. ``--same-host`` runs the 4 ranks
 as plain processes on this machine (no caps: loopback), for where namespaces are not available.
 Writes OUT/sharded.md and OUT/sharded.json.
@@ -151,17 +151,22 @@ def worker(a: argparse.Namespace) -> None:
     row = ROWS[a.worker]
 
     class Wire(L.Callback):
+        """Node 0's tx bytes at the start and the end of the timed steps, each after a barrier: the
+        other local rank's exchanges (DiLoCo's sync with its own replica peer) are done by then."""
+
         def __init__(self) -> None:
             self.marks: list[int] = []
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
             if idx == a.warmup:
+                trainer.strategy.barrier()
                 self.marks.append(_tx_bytes())
 
         def on_train_batch_end(
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
         ) -> None:
             if idx == a.warmup + a.steps - 1:
+                trainer.strategy.barrier()
                 self.marks.append(_tx_bytes())
 
     L.seed_everything(1234, verbose=False)
