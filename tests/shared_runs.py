@@ -17,8 +17,8 @@ import pytest
 from helpers import MPIRUN_TWO_RANKS, run_in_sequence
 
 BUDGET = 150
-"""Seconds for one group's launch (the largest, torchrun's ten Elastic runs, about 60 s on 2 shared
-cores): at most half the 300 s timeout of any test that asks for a group first."""
+"""Seconds for one group's launch (the largest, torchrun's ten Elastic runs and one DDP run, about
+60 s on 2 shared cores): at most half the 300 s timeout of any test that asks for a group first."""
 
 POPEN: dict[str, list[str]] = {
     # test_ddp_strategy: DDP() == Lightning's "ddp" at accumulation 1 and 2
@@ -63,6 +63,9 @@ TORCHRUN: dict[str, list[str]] = {
     # test_elastic_diloco: ElasticDiLoCo(inner_steps=4), fault-free and its first 7 steps
     "diloco": ["elastic_run.py", *ELASTIC, "--max-steps", "12", "--diloco", "4"],
     "diloco_stopped_after_7": ["elastic_run.py", *ELASTIC, "--max-steps", "7", "--diloco", "4"],
+    # test_ddp_strategy: DDP() under torchrun (the agent's store on a port the OS picks), last: it
+    # reuses the process group the Elastic runs made, as Lightning does for a second fit
+    "ld_ddp_3_torchrun": ["ddp_run.py", "--strategy", "ld_ddp", "--max-steps", "3"],
 }
 """Runs under ``torchrun --standalone --nproc-per-node=2`` (Elastic needs torchelastic's agent)."""
 

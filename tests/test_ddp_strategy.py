@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, assert_same_weights, load_rank, run_in_sequence, run_script
+import shared_runs
+from helpers import SCRIPTS, assert_same_weights, load_rank, run_in_sequence
 
 sys.path.insert(0, str(SCRIPTS))
 
@@ -93,15 +94,11 @@ def test_torchmetrics_and_sync_dist_logging_are_global(shared_popen: dict[str, P
     assert got["rank_sum"] == pytest.approx(3.0 * (N // 2) / 5)
 
 
-def test_torchrun_launch_matches_popen(tmp_path: Path, shared_popen: dict[str, Path]) -> None:
-    out = tmp_path / "torchrun"
-    run_script(
-        # --standalone: the agent's rendezvous store listens on a port the OS picks (port 0) and the
-        # ranks share it (no fixed 29500, no probed-then-released port)
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        + [str(SCRIPTS / "ddp_run.py"), "--strategy", "ld_ddp", "--max-steps", "3", "--out", str(out)],
-        timeout=BUDGET,
-    )
+@pytest.mark.timeout(2 * 2 * shared_runs.BUDGET)  # both shared launches may start here
+def test_torchrun_launch_matches_popen(
+    shared_popen: dict[str, Path], shared_torchrun: dict[str, Path]
+) -> None:
+    out = shared_torchrun["ld_ddp_3_torchrun"]  # under torchrun --standalone, in its shared launch
     for rank in (0, 1):
         w, info = load_rank(out, rank)
         assert info["world_size"] == 2 and info["hook_calls"] > 0

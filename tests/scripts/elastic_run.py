@@ -7,7 +7,8 @@ Each worker process appends ``{"step", "samples", "rank", "world", "attempt", "i
 to ``samples.pid<pid>.jsonl`` (flushed per batch, so a killed worker's lines survive); the
 incarnation (rank 0's start time, broadcast) orders the runs of one step, so the last run of every
 step is known even when agents and ranks come and go. ``--step-sleep`` slows every step (so a test can
-act between steps). With ``--kill-rank``/``--kill-step`` that
+act between steps); ``--hold-alone-from S`` makes a run at world size 1 wait before step S until its
+agent stops it (SIGTERM: a node joined), so a test that adds a node finds the run still going. With ``--kill-rank``/``--kill-step`` that
 rank SIGKILLs itself after that optimizer step on the first attempt only (on every attempt with
 ``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``); ``--fault raise`` raises a RuntimeError there instead, and
 ``--fault commit`` SIGKILLs rank 0 halfway through writing the commit of that step (leaving a
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -54,11 +56,20 @@ class Indexed(Dataset):
 
 class Logged(TinyCausalLM):
     def __init__(
-        self, out: str, kill_rank: int, kill_step: int, step_sleep: float = 0.0, fault: str = "kill"
+        self,
+        out: str,
+        kill_rank: int,
+        kill_step: int,
+        step_sleep: float = 0.0,
+        fault: str = "kill",
+        hold_alone_from: int = -1,
     ) -> None:
         super().__init__(WorkloadConfig.tiny(seed=7))
         self.out, self.kill_rank, self.kill_step, self.fault = out, kill_rank, kill_step, fault
-        self.step_sleep = step_sleep
+        self.step_sleep, self.hold_alone_from = step_sleep, hold_alone_from
+        self.stopped = threading.Event()
+        if hold_alone_from >= 0:  # Lightning's own SIGTERM handlers run this one too
+            signal.signal(signal.SIGTERM, lambda signum, frame: self.stopped.set())
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.incarnation = 0
 
@@ -70,6 +81,9 @@ class Logged(TinyCausalLM):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y, idx = batch
+        if self.trainer.world_size == 1 and 0 <= self.hold_alone_from <= self.trainer.global_step:
+            while not self.stopped.wait(0.1):  # until the agent restarts the workers on a larger world
+                pass
         entry = {
             "step": self.trainer.global_step,
             "samples": idx.tolist(),
@@ -122,6 +136,7 @@ def fit(
     reduce_op: str = "avg",
     step_sleep: float = 0.0,
     fault: str = "kill",
+    hold_alone_from: int = -1,
     scale_lr: bool = True,
     accelerator: str = "cpu",
     diloco: int = 0,
@@ -130,7 +145,7 @@ def fit(
     torch.set_num_threads(1)
     os.makedirs(out, exist_ok=True)
     L.seed_everything(7, verbose=False)
-    model = Logged(out, kill_rank, kill_step, step_sleep, fault)
+    model = Logged(out, kill_rank, kill_step, step_sleep, fault, hold_alone_from)
     if fault == "commit" and model.attempt == 0 and int(os.environ.get("RANK", "0")) == 0:
         crash_while_writing(out, kill_step)
     common: dict[str, Any] = dict(
@@ -165,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reduce-op", default="avg")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--fault", choices=["kill", "raise", "commit"], default="kill")
+    p.add_argument("--hold-alone-from", type=int, default=-1)
     p.add_argument("--no-scale-lr", dest="scale_lr", action="store_false")
     p.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device per worker, NCCL")
     p.add_argument("--diloco", type=int, default=0, help="H > 0: ElasticDiLoCo(inner_steps=H)")
