@@ -5,6 +5,7 @@ One box, as many processes as devices (every GPU when there are GPUs, 2 CPU proc
     python examples/quickstart.py                                   # DDP() on every GPU / 2 CPU processes
     python examples/quickstart.py --strategy ld_compressed_int8     # any registered name
     python examples/quickstart.py --strategy ddp                    # Lightning's own DDP, to compare
+    python examples/quickstart.py --strategy ld_sharded_int8        # FSDP2 shards, int8 reduce-scatter
     python examples/quickstart.py --logger tensorboard              # CommMonitor figures in TensorBoard
 
 Launchers that start the processes themselves (the script reads their environment):
