@@ -18,16 +18,20 @@ import pytest
 import torch
 from helpers import SCRIPTS, run_script
 from torch import nn
+from torch.distributed import ReduceOp
 
-from lightning_dist.compression import Exchange, simulate
+from lightning_dist.collectives import Communicator
+from lightning_dist.compression import Exchange, make_compressor, simulate
 from lightning_dist.compression.int8 import QMAX
 from lightning_dist.compression.reduce_scatter import int8_reduce_scatter, int8_reduce_scatter_bytes
+from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
+from lightning_dist.testing import run_in_threads
 
 SCRIPT = str(SCRIPTS / "sharded_run.py")
 MLP_SIZES = (12, 40, 24, 3)
 """tests/scripts/sharded_run.py's MLP."""
 MLP_LR = 0.1
-STEPS = 30
+STEPS = 20
 """Steps of the 2-process runs compared with the uncompressed one (AdamW, lr 3e-3, the tiny workload
 with two blocks)."""
 
@@ -127,10 +131,104 @@ def test_int8_reduce_scatter_bytes_are_a_quarter_plus_scales() -> None:
     assert int8_reduce_scatter_bytes(numel, w, block) / fp32 == pytest.approx(0.25 * (1 + 4 / block))
 
 
+# -- the FSDP2 comms over real Gloo groups (threads, no processes) -----------------------------------
+class _Group:
+    """What FSDP2 hands a comm as ``group``: only its size is read."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_into_fills_the_output_rank_after_rank(world_size: int) -> None:
+    def body(comm: Communicator) -> tuple[torch.Tensor, dict[str, float]]:
+        out = torch.empty(world_size * 5)
+        PackAllGather(comm)(out, torch.arange(5.0) + 10 * comm.rank, _Group(world_size))
+        return out, comm.stats.snapshot()
+
+    expected = torch.cat([torch.arange(5.0) + 10 * r for r in range(world_size)])
+    for out, snap in run_in_threads(world_size, body):
+        assert torch.equal(out, expected)
+        assert snap["all_gather.bytes_sent"] == (world_size - 1) * 5 * 4
+
+
+@pytest.mark.parametrize("compression", [None, "bf16", "fp16", "int8"])
+@pytest.mark.parametrize("op", [ReduceOp.AVG, ReduceOp.SUM])
+def test_pack_reduce_scatter_reduces_each_ranks_chunk(compression: str | None, op: Any) -> None:
+    """Rank r ends with the average (or sum) of every rank's chunk r: fp32 exactly (sum, then the
+    division), bf16/fp16 within their rounding of each input and of the sum, int8 within the bound of
+    ``test_int8_reduce_scatter_is_within_half_a_step_per_rank``."""
+    w, n = 3, 40
+    inputs = [torch.randn(w * n, generator=torch.Generator().manual_seed(r)) for r in range(w)]
+
+    def body(comm: Communicator) -> torch.Tensor:
+        out = torch.empty(n)
+        PackReduceScatter(comm, compression, block_size=16)(out, inputs[comm.rank].clone(), _Group(w), op)
+        return out
+
+    total = torch.stack(inputs).sum(dim=0).view(w, n)
+    exact = total / w if op == ReduceOp.AVG else total
+    tolerance = {None: 0.0, "bf16": 3e-2, "fp16": 4e-3, "int8": 4e-2}[compression]
+    for rank, out in enumerate(run_in_threads(w, body)):
+        torch.testing.assert_close(
+            out, exact[rank], rtol=0, atol=tolerance * (1 if op == ReduceOp.AVG else w)
+        )
+
+
+def test_pack_reduce_scatter_refuses_a_custom_divide_factor() -> None:
+    def body(comm: Communicator) -> None:
+        PackReduceScatter(comm)(torch.empty(1), torch.ones(2), _Group(2), ReduceOp.MAX)
+
+    with pytest.raises(RuntimeError, match="accepts AVG and SUM only"):
+        run_in_threads(2, body)
+
+
+LOSSY = ("topk", "sign", "demo")
+"""Replica-sync compressors whose result is no close average (sparse, signs)."""
+
+
+@pytest.mark.parametrize("sync", ["none", "int8", "powersgd", "adasum", *LOSSY])
+def test_replica_sync_averages_the_shard_over_replicas(sync: str) -> None:
+    """The flat shard gradient (two parameters, the second with a padded row) of two replicas: the
+    average for "none" (exactly), int8 (within half a step), PowerSGD at rank 1 (the average is of
+    rank 1: exact up to rounding; the per-parameter shapes reach it), Adasum of orthogonal shards
+    their sum; the lossy compressors the same result on both replicas."""
+    shards = [(0, torch.Size([4, 3])), (12, torch.Size([1, 3]))]  # the second padded to 2 rows
+
+    def grad(rank: int) -> torch.Tensor:
+        flat = torch.zeros(18)
+        flat[rank * 6 : rank * 6 + 6] = 1.0 + rank  # rank 0: rows 0-1, rank 1: rows 2-3 of the first
+        flat[12:15] = 0.5
+        return flat
+
+    def body(comm: Communicator) -> torch.Tensor:
+        options = {"rank": 1, "min_compression_rate": 0} if sync == "powersgd" else {}
+        compressor = make_compressor("none" if sync == "adasum" else sync, **options)
+        flat = grad(comm.rank)
+        ReplicaSync(comm, compressor, "fsdp0", shards, adasum=sync == "adasum")(flat)
+        return flat
+
+    results = run_in_threads(2, body)
+    assert torch.equal(results[0], results[1])
+    if sync in LOSSY:  # every replica gets the same (finite) approximation
+        assert results[0].isfinite().all() and results[0].abs().sum() > 0
+        return
+    expected = (grad(0) + grad(1)) / 2
+    if sync == "adasum":  # orthogonal first parameters add up; equal second ones stay
+        expected = grad(0) + grad(1)
+        expected[12:15] = 0.5
+        expected[15:] = 0.0
+    atol = {"none": 0.0, "adasum": 1e-6, "int8": 2e-2, "powersgd": 1e-6}[sync]
+    torch.testing.assert_close(results[0], expected, rtol=0, atol=atol)
+
+
 # -- 2 processes ---------------------------------------------------------------------------------------
-BUDGET = 140
-"""Seconds for one launch (about 50 s for the 2-process one on 2 shared cores); the slow tests have
-the suite's 300 s timeout, at least twice a budget."""
+BUDGET = 240
+"""Seconds for one launch (each about 60 s on 2 idle cores, 150 s with a load of 16 on them); the
+slow tests' timeout is twice that."""
 
 
 def launch(out: Path, devices: int, runs: list[dict[str, Any]]) -> Path:
@@ -149,13 +247,30 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
         {"name": "bf16", "options": {"compression": "bf16"}},
         {"name": "fp16", "options": {"compression": "fp16"}},
         {"name": "int8", "options": {"compression": "int8"}},
+        {"name": "replicas_only", "options": {"replicas": 2}},  # shard groups of 1: the replica hook alone
     ]
     for run in runs:
         run["steps"] = STEPS
-    resume = {"options": {"compression": "int8", "error_feedback": True}, "batches_per_epoch": 4}
+    # the checkpoint written in the background (the 4-process resumes write theirs at once)
+    resume = {
+        "options": {"compression": "int8", "error_feedback": True, "async_save": True},
+        "batches_per_epoch": 4,
+    }
+    accumulate = {"accumulate": 2, "steps": 6}
+    lightning = {"strategy": "model_parallel", "model": "lm_user", "batches_per_epoch": 4}
     runs += [
+        {"name": "model_parallel_full", "epochs": 2, **lightning},
+        {"name": "model_parallel_half", "epochs": 1, "save": str(ckpt.parent / "ckpt_mp"), **lightning},
+        {
+            "name": "from_model_parallel",
+            "epochs": 2,
+            "batches_per_epoch": 4,
+            "resume": str(ckpt.parent / "ckpt_mp"),
+        },
+        {"name": "model_parallel_acc", "strategy": "model_parallel", "model": "lm_user", **accumulate},
+        {"name": "none_acc", **accumulate},
         {"name": "uninterrupted", "epochs": 2, **resume},
-        {"name": "first_half", "epochs": 1, "save": str(ckpt), **resume},
+        {"name": "first_half", "epochs": 1, "save_in_fit": str(ckpt), **resume},
         {"name": "resumed", "epochs": 2, "resume": str(ckpt), **resume},
     ]
     return runs
@@ -206,6 +321,7 @@ def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) -> None:
     """Sharded() with the user's fully_shard calls, and with its default per-layer policy (the same
     units here), ends bitwise where Lightning's ModelParallelStrategy does; DDP ends within float
@@ -213,11 +329,16 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
     reference = weights(two_ranks, "model_parallel")
     assert_equal(weights(two_ranks, "user_policy"), reference)
     assert_equal(weights(two_ranks, "none"), reference)
+    assert_equal(weights(two_ranks, "none_acc"), weights(two_ranks, "model_parallel_acc"))  # 2 micro-batches
     ddp = weights(two_ranks, "ddp")
     for k in reference:
         torch.testing.assert_close(ddp[k], reference[k], rtol=1e-5, atol=1e-6)
+    # replicas=2 on 2 ranks: FSDP2 reduce-scatters nothing (1 rank per shard group) and the replica
+    # sync averages whole gradients, as DDP does (halving then summing: bitwise at 2 ranks)
+    assert_equal(weights(two_ranks, "replicas_only"), ddp)
+    assert "reduce_scatter" not in info(two_ranks, "replicas_only")["bytes_by_op"]
     facts = info(two_ranks, "none")
-    assert facts["fsdp_modules"] == 7  # embed, 2 blocks, the encoder, norm, head, the root (pos)
+    assert facts["fsdp_modules"] == 6  # embed, 2 blocks, norm, head, the root (pos); the encoder holds none
     by_op = facts["bytes_by_op"]
     # every gradient is reduce-scattered; every parameter is gathered for forward and again for
     # backward but the root's (pos: 32 x 32 fp32, half of it sent per gather), which FSDP2 keeps
@@ -226,16 +347,18 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
 
 
 # bounds on the relative L2 distance of the final weights from the uncompressed run's, after STEPS
-# AdamW steps; measured: bf16 3e-4, fp16 1.5e-4, int8 4e-3 (error feedback 3e-3). Per step, a bf16
-# cast errs by at most 2^-9 of each element, fp16 by 2^-11, int8 by half a block's step (absmax/254):
-# a relative gradient error eps moves AdamW's normalised update by about eps * lr per step, and the
-# trajectories then diverge chaotically, so the bounds are the measured distances with a margin of 5.
+# AdamW steps; measured: bf16 2.4e-4, fp16 1.0e-4, int8 3.7e-3. Per step, a bf16 cast errs by at
+# most 2^-9 of each element, fp16 by 2^-11, int8 by half a block's step (absmax/254): a relative
+# gradient error eps moves AdamW's normalised update by about eps * lr per step, and the trajectories
+# then diverge chaotically, so no per-step bound carries over: the bounds are the measured distances
+# with a margin of 5 to 10 (the ratios of the three stay about those of their per-step errors).
 BOUNDS = {"bf16": 2e-3, "fp16": 1e-3, "int8": 2e-2}
 LOSS_BOUND = 0.01
-"""Final training loss within 1% of the uncompressed run's (measured: within 0.05%)."""
+"""Final training loss within 1% of the uncompressed run's (measured: int8 0.11%, bf16/fp16 0.001%)."""
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 @pytest.mark.parametrize("compression", sorted(BOUNDS))
 def test_compressed_reduce_scatter_within_bounds_of_uncompressed(two_ranks: Path, compression: str) -> None:
     reference = weights(two_ranks, "none")
@@ -253,8 +376,19 @@ def test_compressed_reduce_scatter_within_bounds_of_uncompressed(two_ranks: Path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_resumes_a_model_parallel_strategy_checkpoint(two_ranks: Path) -> None:
+    """A user moving from Lightning's ModelParallelStrategy: Sharded (default policy, the same units)
+    continues its distributed checkpoint where ModelParallelStrategy itself would, without a warning."""
+    assert_equal(weights(two_ranks, "from_model_parallel"), weights(two_ranks, "model_parallel_full"))
+    assert info(two_ranks, "from_model_parallel")["warnings"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_stop_and_resume_equals_the_uninterrupted_run_bitwise(two_ranks: Path) -> None:
-    """int8 with error feedback: the residuals are per-rank state in the distributed checkpoint."""
+    """int8 with error feedback: the residuals are per-rank state in the distributed checkpoint,
+    written in the background (``async_save=True``)."""
     assert_equal(weights(two_ranks, "resumed"), weights(two_ranks, "uninterrupted"))
     assert info(two_ranks, "resumed")["warnings"] == []
     assert sorted(p.name for p in (two_ranks / "ckpt").iterdir()) == [
@@ -385,6 +519,7 @@ def hsdp_reference(out: Path, name: str, sync: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 @pytest.mark.parametrize("sync", ["int8", "adasum"])
 def test_hsdp_replica_sync_equals_the_written_out_step(four_ranks: Path, sync: str) -> None:
     name = f"hsdp_{sync}"
@@ -400,6 +535,7 @@ def test_hsdp_replica_sync_equals_the_written_out_step(four_ranks: Path, sync: s
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_hsdp_uncompressed_equals_fsdp_over_every_rank(four_ranks: Path) -> None:
     """Averaging inside the shard group, then across replicas, is the 4-rank average (up to the
     rounding of (a + b) / 2 + (c + d) / 2 against (a + b + c + d) / 4)."""
@@ -410,6 +546,7 @@ def test_hsdp_uncompressed_equals_fsdp_over_every_rank(four_ranks: Path) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_hsdp_stop_and_resume_equals_the_uninterrupted_run_bitwise(four_ranks: Path) -> None:
     """The replica-sync compressor's state (PowerSGD's factors and error feedback) is per-rank state
     in the distributed checkpoint; PowerSGD sends less than the uncompressed replica sync."""
@@ -421,6 +558,7 @@ def test_hsdp_stop_and_resume_equals_the_uninterrupted_run_bitwise(four_ranks: P
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
 def test_resume_at_another_shard_count_loads_the_weights_and_names_what_it_dropped(four_ranks: Path) -> None:
     assert_equal(weights(four_ranks, "resharded"), weights(four_ranks, "four_shards"))
     (warning,) = info(four_ranks, "resharded")["warnings"]  # once, by rank 0

@@ -3,7 +3,8 @@
 One script per job: N nodes x G devices, a strategy name (which decides how the ranks start) and the
 training command. What each strategy family gets:
 
-- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, Lightning's ``ddp``):
+- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, ``ld_sharded*``, ``Sharded``,
+  Lightning's ``ddp``):
   ``srun --ntasks-per-node=G``: one task per device, Lightning's ``SLURMEnvironment`` reads the ranks.
 - Horovod (``horovod*``, ``Horovod``, ``horovod_adasum``, ``HorovodAdasum``): one MPI job of N x G
   ranks: ``srun --mpi=pmix`` when SLURM has the PMIx plugin, otherwise ``mpirun`` over the job's nodes.
@@ -58,6 +59,7 @@ CLASS_FAMILIES = {
     "ElasticDiLoCo": ("elastic", False),
     "Horovod": ("horovod", False),
     "HorovodAdasum": ("horovod", True),
+    "Sharded": ("ddp", False),
 }
 """lightning_dist's strategy classes (``--strategy DDP`` or ``lightning_dist:DDP(...)``)."""
 FORK_START_METHODS = ("spawn", "fork", "forkserver")
@@ -155,7 +157,7 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
-    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum
+    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, Sharded
     from lightning_dist.strategies.registry import resolve
 
     kinds: dict[str, StrategyKind] = {}
@@ -170,6 +172,8 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
             kinds[name] = StrategyKind(name, "horovod", adasum=True)
         elif issubclass(cls, Horovod):
             kinds[name] = StrategyKind(name, "horovod")
+        elif issubclass(cls, Sharded):
+            kinds[name] = StrategyKind(name, "ddp")  # one task per device, like DDP
         elif cls is DDPStrategy or (
             issubclass(cls, DDPStrategy) and cls.__module__.startswith("lightning_dist.")
         ):

@@ -129,7 +129,7 @@ def _names() -> list[Name]:
         Name("ld_sharded", SHARDED, "FSDP2 sharding over every rank, the pack's reduce-scatter (fp32)")
     )
     for wire in SHARDED_COMPRESSIONS[1:]:
-        description = f"FSDP2 sharding with a {wire} reduce-scatter"
+        description = f"FSDP2 sharding, gradients reduce-scattered in {wire}"
         names.append(Name(f"ld_sharded_{wire}", SHARDED, description, init_params={"compression": wire}))
     names.append(
         Name(

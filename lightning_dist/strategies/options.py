@@ -240,6 +240,10 @@ class ShardedOptions:
     reduce_op: str = "avg"
     """``"avg"``, or ``"adasum"`` (gradient-space Adasum of the replica groups' shard gradients,
     with ``replica_sync`` ``"none"``, ``"fp16"`` or ``"bf16"``)."""
+    async_save: bool = False
+    """Write distributed checkpoints in the background: the state is copied to CPU memory, then
+    training goes on while the files are written (over a Gloo group of its own); a checkpoint is
+    complete before the next save, a load, or the end of the run."""
 
     def __post_init__(self) -> None:
         if isinstance(self.compression, str):
@@ -255,4 +259,5 @@ class ShardedOptions:
                 "accepted: error_feedback=False, or compression='int8'"
             )
         check_int("replicas", self.replicas, 1)
+        check_bool("async_save", self.async_save)
         self.reduce_op = op_name(self.reduce_op, SHARDED_REDUCE_OPS, argument="reduce_op", default="avg")

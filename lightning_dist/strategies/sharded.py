@@ -32,8 +32,9 @@ from typing import Any, Optional, Union
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
+from torch.distributed.checkpoint import async_save
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
@@ -66,8 +67,8 @@ from lightning_dist.warn import warn_once
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.sharded"
-"""In the checkpoint's metadata: ``{"world_size", "replicas", "compression", "entries"}``; in the
-distributed checkpoint: ``CHECKPOINT_KEY.rank<r>`` holds rank r's ``sharded_rank_state()``."""
+"""In the checkpoint's metadata: ``{"world_size": W, "replicas": R}``; in the distributed checkpoint,
+``CHECKPOINT_KEY.rank<r>`` holds rank r's ``sharded_rank_state()``."""
 MESH_DIMS = ("replicate", "shard")
 
 
@@ -84,6 +85,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             (``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"powersgd"`` ...) or a ``Compressor``.
         reduce_op: ``"avg"``, or ``"adasum"`` (gradient-space Adasum across replica groups, per
             parameter shard; with SGD it is Horovod's Adasum, with Adam a different algorithm).
+        async_save: write distributed checkpoints in the background (``ShardedOptions.async_save``).
         save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
     """
 
@@ -98,6 +100,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         replicas: int = 1,
         replica_sync: Union[str, Compressor] = "none",
         reduce_op: str = "avg",
+        async_save: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -119,6 +122,9 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self.reduce_scatters: list[PackReduceScatter] = []
         """One per FSDP parameter group, in ``fsdp_modules`` order (they hold the int8 residuals)."""
         self.fsdp_modules: list[FSDPModule] = []
+        self._checkpoint_group: Optional[Any] = None
+        self._pending_save: Optional[Any] = None
+        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
@@ -175,6 +181,9 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
+
+        check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         world = self.num_nodes * self.num_processes
         replicas = self.options.replicas
         if world % replicas:
@@ -183,16 +192,18 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 f"{', '.join(str(r) for r in range(1, world + 1) if world % r == 0)}"
             )
         self._setup_distributed()  # Lightning's: accelerator, ranks, process group
-        self._device_mesh = self._build_mesh()
+        if self._device_mesh is None:  # once: a later fit or validate keeps the groups its modules use
+            mesh = self._device_mesh = self._build_mesh()
+            world_comm = Communicator(TorchBackend())
+            self._set_communicator(world_comm)
+            stats = world_comm.stats  # one set of counters for every group
+            self._shard_comm = Communicator(TorchBackend(mesh.get_group("shard")), stats)
+            self._replica_comm = Communicator(TorchBackend(mesh.get_group("replicate")), stats)
+            if self.options.async_save:  # DCP's background writer coordinates over a group of its own
+                self._checkpoint_group = mesh[MESH_DIMS]._flatten("checkpoint", "gloo").get_group()
+            logger.debug("Sharded: rank %d, mesh %s", self.global_rank, mesh)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
-        mesh = self._device_mesh
-        world_comm = Communicator(TorchBackend())
-        self._set_communicator(world_comm)
-        stats = world_comm.stats  # one set of counters for every group
-        self._shard_comm = Communicator(TorchBackend(mesh.get_group("shard")), stats)
-        self._replica_comm = Communicator(TorchBackend(mesh.get_group("replicate")), stats)
-        logger.debug("Sharded: rank %d, mesh %s", self.global_rank, mesh)
 
     def _build_mesh(self) -> DeviceMesh:
         """(replicate, shard), plus both flattened as ``"data_parallel"`` (the sampler's split)."""
@@ -204,6 +215,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.wait_for_checkpoint()
         for comm in (self._shard_comm, self._replica_comm):
             if comm is not None:
                 comm.close()
@@ -239,11 +251,19 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 "them (mesh=self.device_mesh['shard']) in configure_model, or leave configure_model "
                 "without fully_shard calls for the default per-layer policy"
             )
+        # units without parameters of their own (a stack whose blocks are units) communicate nothing
+        modules = [m for m in modules if m._get_fsdp_state()._fsdp_param_groups]
+        # a second setup of the same modules (validate after fit, fit again) keeps their residuals
+        residuals = {
+            id(m): rs.residual for m, rs in zip(self.fsdp_modules, self.reduce_scatters, strict=True)
+        }
         self.fsdp_modules = modules
         self.reduce_scatters = []
         for index, module in enumerate(modules):
             self._check_mesh(module)
             self.install_hooks(module, index)
+        for module, reduce_scatter in zip(modules, self.reduce_scatters, strict=True):
+            reduce_scatter.residual = residuals.get(id(module))
         logger.debug("Sharded: %d FSDP modules, hooks installed", len(modules))
 
     def _check_mesh(self, module: FSDPModule) -> None:
@@ -338,9 +358,32 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             converted[f"optimizer_{idx}"] = optim_state
         converted[self._rank_key(self.global_rank)] = _as_bytes(self.sharded_rank_state())
         checkpoint[CHECKPOINT_KEY] = self._layout()
-        _distributed_checkpoint_save(converted, path)
+        self.wait_for_checkpoint()
+        if self._checkpoint_group is not None and self._fitting():
+            # teardown waits for it; a save outside fit (after it) is written at once
+            self._pending_save = async_save(
+                converted, checkpoint_id=path, process_group=self._checkpoint_group
+            )
+        else:
+            _distributed_checkpoint_save(converted, path)
         if self.global_rank == 0:
             torch.save(checkpoint, path / _METADATA_FILENAME)
+
+    def _fitting(self) -> bool:
+        """Whether a ``fit`` is running (its teardown comes after this save)."""
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        return (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and trainer.state.status == TrainerStatus.RUNNING
+        )
+
+    def wait_for_checkpoint(self) -> None:
+        """Until the checkpoint being written in the background (``async_save``), if any, is complete."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
 
     def holds_rank_state(self) -> bool:
         """Whether this rank holds per-rank state a full checkpoint would lose (a subclass adds its own)."""
@@ -350,12 +393,15 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        self.wait_for_checkpoint()
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         saved = checkpoint.get(CHECKPOINT_KEY)
         if saved is None:
-            warn_once(
-                "Sharded: the checkpoint has no per-rank state (not written by Sharded); it starts afresh"
-            )
+            if self.options.error_feedback or self.options.replicas > 1:  # state this run will hold
+                warn_once(
+                    "Sharded: the checkpoint has no per-rank state (not written by Sharded); "
+                    f"{', '.join(self.rank_state_names())} start afresh"
+                )
             return checkpoint
         if saved != self._layout():
             warn_once(

@@ -7,7 +7,8 @@ JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("sharded",
 arguments), ``model`` ("lm": the workload, sharded by Sharded's default policy; "lm_user": the
 workload whose configure_model shards it over ``device_mesh["data_parallel"]``; "mlp": a small MLP
 of Linear layers, the default policy), ``optimizer`` ("adamw", "sgd"), ``lr``, ``steps`` or
-``epochs`` with ``batches_per_epoch``, ``save`` (checkpoint written after fitting), ``resume``
+``epochs`` with ``batches_per_epoch``, ``save`` (checkpoint written after fitting), ``save_in_fit``
+(checkpoint written by the last hook of ``fit``), ``resume``
 (fit from this checkpoint), ``record`` (keep every rank's batches and the initial weights).
 
 Rank 0 writes ``<name>.pt`` (the full final weights, gathered); every rank writes
@@ -98,6 +99,16 @@ class MLP(L.LightningModule):
         return DataLoader(self.data, batch_size=8, shuffle=True, drop_last=True)
 
 
+class SaveAtTrainEnd(L.Callback):
+    """Saves a checkpoint from inside ``fit``, at its last hook (as ModelCheckpoint saves)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
 def make_model(run: dict[str, Any]) -> L.LightningModule:
     kind = run.get("model", "lm")
     optimizer = run.get("optimizer", "adamw" if kind != "mlp" else "sgd")
@@ -130,11 +141,14 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
     L.seed_everything(7, verbose=False)
     model = make_model(run)
     record = RecordBatches()
+    callbacks: list[L.Callback] = [record] if run.get("record") else []
+    if run.get("save_in_fit"):
+        callbacks.append(SaveAtTrainEnd(run["save_in_fit"]))
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
         strategy=make_strategy(run, devices),
-        callbacks=[record] if run.get("record") else [],
+        callbacks=callbacks,
         **trainer_length(run, default_steps=10),
         limit_val_batches=0,
         deterministic=True,
