@@ -22,9 +22,10 @@ Per row and cap: rank 0's bytes held for training (parameters, gradients, optimi
 last-sync copy and outer momentum; DTensors by their local shard) against ``DDP()``'s; the median step
 time over every timed step of every round against Lightning FSDP2's at the same cap; the bytes node 0
 sent across the link per timed step (its veth's tx bytes, headers included: what crosses between the
-nodes; read after a barrier at either end of the timed steps) and the pack's counted bytes (every collective of rank 0, inside the node too); the loss on 4
-fixed validation batches after training, against Lightning FSDP2's. ``--same-host`` runs the 4 ranks
-as plain processes on this machine (no caps: loopback), for where namespaces are not available.
+nodes; read after a barrier at either end of the timed steps) and the pack's counted bytes (every
+collective of rank 0, inside the node too); the loss on 4 fixed validation batches after training,
+against Lightning FSDP2's. ``--same-host`` runs the 4 ranks as plain processes on this machine (no caps:
+loopback), for where namespaces are not available.
 Writes OUT/sharded.md and OUT/sharded.json.
 """
 
