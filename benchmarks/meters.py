@@ -87,9 +87,9 @@ def _local_bytes(t: torch.Tensor) -> int:
 
 class StateBytes(L.Callback):
     """Bytes this rank holds for training, at the last optimizer step (gradients still there):
-    parameters, gradients and optimizer state (each DTensor counted by its local shard), and the
-    strategy's own per-rank copies (DiLoCo's last-sync parameters and outer momentum, the latter
-counted from the start: it exists from the first sync on)."""
+        parameters, gradients and optimizer state (each DTensor counted by its local shard), and the
+        strategy's own per-rank copies (DiLoCo's last-sync parameters and outer momentum, the latter
+    counted from the start: it exists from the first sync on)."""
 
     def __init__(self) -> None:
         self.params = self.grads = self.optimizer = self.strategy = 0
@@ -102,7 +102,10 @@ counted from the start: it exists from the first sync on)."""
         self.params = sum(_local_bytes(p) for p in params)
         self.grads = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
         self.optimizer = sum(
-            _local_bytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+            _local_bytes(v)
+            for state in optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v)
         )
         outer = getattr(trainer.strategy, "outer", None)
         if outer is not None:  # the momentum, made at the first sync, is as large as the anchors
@@ -110,4 +113,9 @@ counted from the start: it exists from the first sync on)."""
             self.strategy = copies * sum(_local_bytes(a) for a in outer.anchors)
 
     def summary(self) -> dict[str, int]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "strategy": self.strategy}
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "strategy": self.strategy,
+        }

@@ -124,7 +124,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             sharded over its devices), else the world size (no sharding: DiLoCo over ranks).
         shard_compression, int8_block_size, error_feedback: the reduce-scatter inside a replica group
             (``Sharded``'s ``compression``, ``int8_block_size``, ``error_feedback``).
-        save_distributed_checkpoint, process_group_backend, timeout: as ``Sharded``'s.
+        async_save, save_distributed_checkpoint, process_group_backend, timeout: as ``Sharded``'s.
     """
 
     strategy_name = "ld_sharded_diloco"
@@ -142,6 +142,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         shard_compression: Optional[str] = None,
         int8_block_size: int = 1024,
         error_feedback: bool = False,
+        async_save: bool = False,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -159,6 +160,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             int8_block_size=int8_block_size,
             error_feedback=error_feedback,
             replicas=1 if replicas == "auto" else replicas,
+            async_save=async_save,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -177,6 +179,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             "shard_compression",
             "int8_block_size",
             "error_feedback",
+            "async_save",
             "save_distributed_checkpoint",
             "process_group_backend",
             "timeout",
