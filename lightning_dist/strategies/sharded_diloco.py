@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
@@ -59,6 +57,16 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KEY = "lightning_dist.sharded_diloco"
 """In the checkpoint's metadata: ``{"inner_steps", "inner_step", "syncs"}``; each rank's own state is
 in ``Sharded``'s per-rank entry under ``"diloco"``."""
+SHARDED_PASSED_ON = (
+    "int8_block_size",
+    "error_feedback",
+    "async_save",
+    "save_distributed_checkpoint",
+    "process_group_backend",
+    "timeout",
+)
+"""``Sharded``'s keyword options that ``ShardedDiLoCo`` passes on as they are (its ``replica_sync`` and
+``reduce_op`` do not apply: replica groups exchange pseudo-gradients)."""
 DROPPED = (
     "DiLoCo's outer momentum",
     "the inner steps since the last sync (every replica group continues from the last-sync weights)",
@@ -122,9 +130,9 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         replicas: replica groups (DiLoCo's workers); each shards the model over world_size / replicas
             ranks. ``"auto"``: the number of nodes when there are several (one replica group per node,
             sharded over its devices), else the world size (no sharding: DiLoCo over ranks).
-        shard_compression, int8_block_size, error_feedback: the reduce-scatter inside a replica group
-            (``Sharded``'s ``compression``, ``int8_block_size``, ``error_feedback``).
-        save_distributed_checkpoint, process_group_backend, timeout: as ``Sharded``'s.
+        shard_compression: the reduce-scatter inside a replica group (``Sharded``'s ``compression``).
+        **sharded: ``Sharded``'s ``int8_block_size``, ``error_feedback``, ``async_save``,
+            ``save_distributed_checkpoint``, ``process_group_backend`` and ``timeout``.
     """
 
     strategy_name = "ld_sharded_diloco"
@@ -140,29 +148,19 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         sync_buffers: bool = True,
         replicas: Union[int, Literal["auto"]] = "auto",
         shard_compression: Optional[str] = None,
-        int8_block_size: int = 1024,
-        error_feedback: bool = False,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        **unknown: Any,
+        **sharded: Any,
     ) -> None:
-        reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
+        accepted = self._accepted_options()
+        reject_unknown_options(
+            type(self).__name__, {k: v for k, v in sharded.items() if k not in accepted}, accepted
+        )
         options_from(DiLoCoOptions, locals())  # checks them
         if replicas != "auto" and (
             isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1
         ):
             raise ValueError(f"replicas={replicas!r} is not supported; accepted: 'auto' or an integer >= 1")
         self.compressor = build_diloco_compressor(compression)
-        super().__init__(
-            shard_compression,
-            int8_block_size=int8_block_size,
-            error_feedback=error_feedback,
-            replicas=1 if replicas == "auto" else replicas,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+        super().__init__(shard_compression, replicas=1 if replicas == "auto" else replicas, **sharded)
         self._auto_replicas = replicas == "auto"
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._names: dict[int, str] = {}
@@ -175,11 +173,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             *option_names(DiLoCoOptions),
             "replicas",
             "shard_compression",
-            "int8_block_size",
-            "error_feedback",
-            "save_distributed_checkpoint",
-            "process_group_backend",
-            "timeout",
+            *SHARDED_PASSED_ON,
         ]
 
     # -- mesh and hooks: no gradient sync across replica groups -----------------------------------
