@@ -85,6 +85,9 @@ for c in ${GPU_CHECK_COMPRESSORS:-fp16 int8 powersgd demo}; do
   step "compressed_$c" 150 $PY examples/train.py --strategy "ld_compressed_$c" --accelerator $ACC --devices $DEV --max-steps "$(steps 10)" --precision $PREC
 done
 step diloco 180 $PY examples/train.py --strategy "lightning_dist:DiLoCo(inner_steps=4, compression='int8')" --accelerator $ACC --devices $DEV --max-steps "$(steps 12)" --precision $PREC
+# 5b. Sharded (FSDP2): int8 reduce-scatter and DiLoCo over shards, NCCL at world size 1, bf16-mixed
+step sharded_int8 180 $PY examples/train.py --strategy ld_sharded_int8 --accelerator $ACC --devices $DEV --max-steps "$(steps 10)" --precision $PREC
+step sharded_diloco 180 $PY examples/train.py --strategy "lightning_dist:ShardedDiLoCo(inner_steps=4, compression='int8')" --accelerator $ACC --devices $DEV --max-steps "$(steps 12)" --precision $PREC
 # 6. Elastic over NCCL under torchrun: commits, is SIGKILLed, resumes with the fault-free weights
 [ "$DRY" = 0 ] && step elastic_nccl 240 $PY scripts/gpu_elastic_check.py "$OUT/elastic"
 # 7. Horovod built with NCCL, then HorovodAdasum on the GPU (1 rank, MPI controller)
