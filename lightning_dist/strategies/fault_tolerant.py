@@ -44,7 +44,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_dist.checks import check_int, check_positive
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.fault_tolerant import (
     HOST_ENV,
@@ -57,6 +56,7 @@ from lightning_dist.compat import disable_distributed_sampler, set_global_step
 from lightning_dist.elastic.commits import CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.names import register_class
+from lightning_dist.strategies.options import FaultTolerantOptions, options_from
 
 logger = logging.getLogger(__name__)
 OWNER = "FaultTolerant"
@@ -112,7 +112,7 @@ class _StepCallback(L.Callback):
         ):
             set_global_step(trainer, strategy.transport.step)
             strategy.undo_schedulers()
-            if strategy.commit_every and strategy.transport.step % strategy.commit_every == 0:
+            if strategy.options.commit_every and strategy.transport.step % strategy.options.commit_every == 0:
                 strategy.write_commit()
 
     @override
@@ -174,20 +174,7 @@ class FaultTolerant(SingleDeviceStrategy):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
     ) -> None:
-        check_int("replica_groups", replica_groups, 1, owner=OWNER)
-        if global_batch is not None:
-            check_int("global_batch", global_batch, 1, owner=OWNER)
-        check_int("min_replica_size", min_replica_size, 1, replica_groups, owner=OWNER)
-        check_positive("timeout_s", timeout_s, owner=OWNER)
-        check_positive("quorum_timeout_s", quorum_timeout_s, owner=OWNER)
-        check_int("seed", seed, 0, owner=OWNER)
-        check_int("quorum_retries", quorum_retries, 0, owner=OWNER)
-        check_int("commit_every", commit_every, 0, owner=OWNER)
-        check_int("keep", keep, 1, owner=OWNER)
-        if dirpath is not None and not isinstance(dirpath, (str, os.PathLike)):
-            raise ValueError(f"{OWNER}: dirpath={dirpath!r}; accepted: None, a str or a path")
-        if start_groups is not None:
-            check_int("start_groups", start_groups, 1, replica_groups, owner=OWNER)
+        self.options = options_from(FaultTolerantOptions, locals())
         require_torchft(OWNER)
         if device is None:
             cuda = torch.cuda.is_available()
@@ -198,20 +185,6 @@ class FaultTolerant(SingleDeviceStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.replica_groups = replica_groups
-        self.global_batch = global_batch
-        self.min_replica_size = min_replica_size
-        self.lighthouse = lighthouse
-        self.replica_id = replica_id
-        self.host = host
-        self.timeout_s = timeout_s
-        self.quorum_timeout_s = quorum_timeout_s
-        self.quorum_retries = quorum_retries
-        self.seed = seed
-        self.start_groups = replica_groups if start_groups is None else start_groups
-        self.commit_every = commit_every
-        self.dirpath = dirpath
-        self.keep = keep
         self.store: Optional[CommitStore] = None
         self.resumed_from: Optional[int] = None
         """The step of the commit this group resumed from (None: none)."""
@@ -267,8 +240,8 @@ class FaultTolerant(SingleDeviceStrategy):
         callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(c, _StepCallback) and c.strategy is self for c in callbacks):
             callbacks.append(_StepCallback(self))
-        host = self.host or os.environ.get(HOST_ENV, "127.0.0.1")
-        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        host = self.options.host or os.environ.get(HOST_ENV, "127.0.0.1")
+        lighthouse = self.options.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if not lighthouse:
             raise ValueError(
                 f"{OWNER}: no Lighthouse address: pass lighthouse='http://host:port' or set ${LIGHTHOUSE_ENV} "
@@ -278,17 +251,17 @@ class FaultTolerant(SingleDeviceStrategy):
             self._state_dict,
             self._load_state_dict,
             self._model_state,
-            min_replica_size=self.min_replica_size,
+            min_replica_size=self.options.min_replica_size,
             device_type=self.root_device.type,
             lighthouse=lighthouse,
-            replica_id=self.replica_id or os.environ.get(REPLICA_GROUP_ENV),
-            timeout=timedelta(seconds=self.timeout_s),
-            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
-            quorum_retries=self.quorum_retries,
+            replica_id=self.options.replica_id or os.environ.get(REPLICA_GROUP_ENV),
+            timeout=timedelta(seconds=self.options.timeout_s),
+            quorum_timeout=timedelta(seconds=self.options.quorum_timeout_s),
+            quorum_retries=self.options.quorum_retries,
             host=host,
         )
         self.store = CommitStore(
-            self.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.keep
+            self.options.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.options.keep
         )
         commit = self.store.load_latest()
         if commit is not None:
@@ -346,7 +319,7 @@ class FaultTolerant(SingleDeviceStrategy):
     def write_commit(self) -> None:
         """Commit the state of the last committed step, when this group is the quorum's participant 0
         (one writer) and no commit of that step exists."""
-        if self.store is None or self.transport is None or not self.commit_every:
+        if self.store is None or self.transport is None or not self.options.commit_every:
             return
         step = self.transport.step
         if self.transport.participant_rank != 0 or step == 0 or self.store.latest_step() == step:
@@ -377,7 +350,7 @@ class FaultTolerant(SingleDeviceStrategy):
                 f"{OWNER} reads the samples of its slots itself"
             )
         micro = int(dataloader.batch_size)
-        global_batch = self.global_batch or self.replica_groups * micro
+        global_batch = self.options.global_batch or self.options.replica_groups * micro
         self.plan = ElasticPlan(
             dataset_len=len(dataloader.dataset),  # type: ignore[arg-type]
             global_batch=global_batch,
@@ -399,7 +372,7 @@ class FaultTolerant(SingleDeviceStrategy):
     def _sampler(self, epoch: int) -> ElasticSampler:
         assert self.plan is not None
         if epoch not in self._samplers:
-            self._samplers = {epoch: ElasticSampler(self.plan, 0, seed=self.seed, epoch=epoch)}
+            self._samplers = {epoch: ElasticSampler(self.plan, 0, seed=self.options.seed, epoch=epoch)}
         return self._samplers[epoch]
 
     def slot_indices(self, step: int, slot: int) -> list[int]:
@@ -449,7 +422,7 @@ class FaultTolerant(SingleDeviceStrategy):
         ended, or died, while it was stopped or restarting) loads that commit instead of training
         steps the job has already committed; True when it did."""
         assert self.transport is not None
-        if self.transport.participants > 1 or self.store is None or not self.commit_every:
+        if self.transport.participants > 1 or self.store is None or not self.options.commit_every:
             return False
         newest = self.store.latest_step()
         if newest is None or newest <= self.transport.step:
@@ -473,20 +446,21 @@ class FaultTolerant(SingleDeviceStrategy):
         a process that torchrun did not restart (a fresh run, or a whole job started again from its
         commits) asks again until ``start_groups`` groups are in it or ``quorum_timeout_s`` passed."""
         assert self.transport is not None
-        deadline = time.monotonic() + self.quorum_timeout_s
+        deadline = time.monotonic() + self.options.quorum_timeout_s
+        start_groups = self.options.start_groups or self.options.replica_groups
         wait = not self._joined and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self._joined = True
         self.transport.start_step()
-        while wait and self.transport.participants < self.start_groups and time.monotonic() < deadline:
+        while wait and self.transport.participants < start_groups and time.monotonic() < deadline:
             time.sleep(0.1)
             self.transport.start_step()
-        if wait and self.transport.participants < self.start_groups:
+        if wait and self.transport.participants < start_groups:
             logger.warning(
                 "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",
                 OWNER,
                 self.transport.participants,
-                self.start_groups,
-                self.quorum_timeout_s,
+                start_groups,
+                self.options.quorum_timeout_s,
             )
 
     def _read(self, indices: list[int], dataloader_idx: int = 0) -> Any:

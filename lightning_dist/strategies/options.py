@@ -261,3 +261,42 @@ class ShardedOptions:
         check_int("replicas", self.replicas, 1)
         check_bool("async_save", self.async_save)
         self.reduce_op = op_name(self.reduce_op, SHARDED_REDUCE_OPS, argument="reduce_op", default="avg")
+
+
+@dataclass
+class FaultTolerantOptions:
+    """``FaultTolerant``'s options (each documented on the class)."""
+
+    replica_groups: int = 2
+    global_batch: Optional[int] = None
+    min_replica_size: int = 1
+    lighthouse: Optional[str] = None
+    replica_id: Optional[str] = None
+    host: Optional[str] = None
+    timeout_s: float = 60.0
+    quorum_timeout_s: float = 60.0
+    quorum_retries: int = 3
+    seed: int = 0
+    commit_every: int = 50
+    dirpath: Optional[Union[str, os.PathLike[str]]] = None
+    keep: int = 3
+    start_groups: Optional[int] = None
+    """None: ``replica_groups`` (resolved here)."""
+
+    def __post_init__(self) -> None:
+        owner = "FaultTolerant"
+        check_int("replica_groups", self.replica_groups, 1, owner=owner)
+        if self.global_batch is not None:
+            check_int("global_batch", self.global_batch, 1, owner=owner)
+        check_int("min_replica_size", self.min_replica_size, 1, self.replica_groups, owner=owner)
+        check_positive("timeout_s", self.timeout_s, owner=owner)
+        check_positive("quorum_timeout_s", self.quorum_timeout_s, owner=owner)
+        check_int("seed", self.seed, 0, owner=owner)
+        check_int("quorum_retries", self.quorum_retries, 0, owner=owner)
+        check_int("commit_every", self.commit_every, 0, owner=owner)
+        check_int("keep", self.keep, 1, owner=owner)
+        if self.dirpath is not None and not isinstance(self.dirpath, (str, os.PathLike)):
+            raise ValueError(f"{owner}: dirpath={self.dirpath!r}; accepted: None, a str or a path")
+        if self.start_groups is None:
+            self.start_groups = self.replica_groups
+        check_int("start_groups", self.start_groups, 1, self.replica_groups, owner=owner)
