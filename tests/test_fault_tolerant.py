@@ -11,7 +11,6 @@ step, and Adam's update carries that on.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -21,11 +20,12 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
+import ft_harness as ft
 import pytest
 import torch
-from helpers import ROOT, child_env
+from helpers import child_env
 
 pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
 
@@ -37,9 +37,7 @@ from lightning_dist.collectives.fault_tolerant import (  # noqa: E402
 )
 from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups  # noqa: E402
 
-SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
-STEPS = 30
-GLOBAL_BATCH = 16
+SCRIPT, STEPS, GLOBAL_BATCH = ft.SCRIPT, ft.STEPS, ft.GLOBAL_BATCH
 
 
 # -- fast ---------------------------------------------------------------------------------------------
@@ -131,7 +129,7 @@ def test_checkpoint_server_listens_on_the_given_host_and_loads_weights_only() ->
     transport = _safe_http_transport(timedelta(seconds=10), "127.0.0.1")
     try:
         port = transport._server.socket.getsockname()[1]
-        assert _listening(port) == ["0100007F"]  # not every interface (torchft's default)
+        assert ft.listening(port) == ["0100007F"]  # not every interface (torchft's default)
         assert transport.metadata() == f"http://127.0.0.1:{port}/checkpoint/"
         state = stamp_state(_state(), 3)
         transport.send_checkpoint([1], 3, state, timedelta(seconds=10))
@@ -145,114 +143,32 @@ def test_checkpoint_server_listens_on_the_given_host_and_loads_weights_only() ->
         transport.shutdown(wait=True)
 
 
-def _listening(port: int) -> list[str]:
-    """The local addresses (hex, as /proc/net/tcp{,6} write them) with a listening socket on ``port``."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                found.append(local.rsplit(":", 1)[0])
-    return found
-
-
 def test_lighthouse_listens_on_the_given_host_only() -> None:
     with Lighthouse("127.0.0.1:0") as lighthouse:
         assert lighthouse.address.startswith("http://127.0.0.1:")
         port = int(lighthouse.bind.rsplit(":", 1)[1])
-        assert _listening(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
+        assert ft.listening(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
 
 
 # -- slow: whole runs ----------------------------------------------------------------------------------
-def _launch(out: Path, **env: str) -> tuple[Lighthouse, list[subprocess.Popen]]:
-    out.mkdir(parents=True, exist_ok=True)
-    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
-    log = open(out / "log.txt", "w")  # noqa: SIM115
-    procs = start_groups(
-        [str(SCRIPT)],
-        2,
-        lighthouse.address,
-        max_restarts=3,
-        env=child_env(FT_OUT=str(out), FT_STEPS=str(STEPS), **env),
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    return lighthouse, procs
-
-
-def _finish(launch: tuple[Lighthouse, list[subprocess.Popen]], out: Path, timeout: float) -> None:
-    lighthouse, procs = launch
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pytest.fail(
-            f"the replica groups did not finish in {timeout} s; log:\n{(out / 'log.txt').read_text()[-6000:]}"
-        )
-    finally:
-        stop_groups(procs)
-        lighthouse.shutdown()
-    codes = [p.returncode for p in procs]
-    assert codes == [0, 0], f"exit codes {codes}; log:\n{(out / 'log.txt').read_text()[-6000:]}"
-
-
-def _pids(out: Path, group: int) -> list[tuple[int, int]]:
-    return [
-        tuple(map(int, line.split())) for line in (out / f"pids_{group}.txt").read_text().split("\n") if line
-    ]
-
-
-def _steps(out: Path) -> dict[int, list[int]]:
-    """step -> the samples trained on in it, over both groups (committed steps only)."""
-    samples: dict[int, list[int]] = {}
-    for group in (0, 1):
-        for line in (out / f"steps_{group}.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            samples.setdefault(row["step"], []).extend(row["indices"])
-    return samples
-
-
-def _weights(out: Path, group: int) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"final_{group}.pt", weights_only=True)
-
-
-def _check_against_reference(ref: Path, out: Path, samples: Optional[dict[int, list[int]]] = None) -> None:
-    """Every step of the run in ``out`` (or ``samples``: step -> samples) trained its global batch
-    exactly once, the reference's samples, and both groups end on the reference's weights."""
-    reference, faulty = _steps(ref), _steps(out) if samples is None else samples
-    assert sorted(faulty) == list(range(STEPS))
-    for step, indices in faulty.items():
-        assert len(indices) == GLOBAL_BATCH == len(set(indices)), f"step {step}: a sample lost or repeated"
-        assert sorted(indices) == sorted(reference[step]), f"step {step} trained other samples"
-    for group in (0, 1):
-        torch.testing.assert_close(_weights(out, group), _weights(ref, 0), atol=1e-6, rtol=1e-5)
-    assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))
-
-
-def _rows(out: Path, group: int) -> list[dict]:
-    path = out / f"steps_{group}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dict[str, float]) -> None:
     """During the run in ``out``: SIGSTOP group 1's worker for 15 s (past timeout_s=10) once group 0
     has committed 6 steps, then, once both train together again, stop the Lighthouse for 2 s and
     start it again on the same address."""
     deadline = time.monotonic() + 200
-    while len(_rows(out, 0)) < 6 and time.monotonic() < deadline:
+    while len(ft.rows(out, 0)) < 6 and time.monotonic() < deadline:
         time.sleep(0.05)
-    worker = _pids(out, 1)[-1][1]  # our child's worker, by PID
+    worker = ft.pids(out, 1)[-1][1]  # our child's worker, by PID
     os.kill(worker, signal.SIGSTOP)
-    events["stopped_at_step"] = len(_rows(out, 0))
+    events["stopped_at_step"] = len(ft.rows(out, 0))
     time.sleep(15)
     os.kill(worker, signal.SIGCONT)
     while time.monotonic() < deadline:
-        rows = _rows(out, 0)
+        rows = ft.rows(out, 0)
         if rows and rows[-1]["participants"] == 2 and rows[-1]["step"] > events["stopped_at_step"]:
             break
         time.sleep(0.05)
-    events["lighthouse_down_at_step"] = len(_rows(out, 0))
+    events["lighthouse_down_at_step"] = len(ft.rows(out, 0))
     lighthouse.shutdown()
     time.sleep(2)
     lighthouse.restart()
@@ -262,11 +178,11 @@ def _kill_the_job_and_start_it_again(first: Path, again: Path, launch: Any, star
     """Once the run in ``first`` has committed 17 steps (a commit at 10), end both its groups (the
     whole job dies), then start the job again writing to ``again``, on ``first``'s commits."""
     deadline = time.monotonic() + 200
-    while len(_rows(first, 0)) < 17 and time.monotonic() < deadline:
+    while len(ft.rows(first, 0)) < 17 and time.monotonic() < deadline:
         time.sleep(0.05)
     stop_groups(launch[1])
     launch[0].shutdown()
-    started["again"] = _launch(again, FT_COMMITS=str(first / "ft_commits"))
+    started["again"] = ft.launch(again, FT_COMMITS=str(first / "ft_commits"))
 
 
 @pytest.fixture(scope="module")
@@ -279,9 +195,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dirs = {name: base / name for name in ("reference", "kill", "stop", "whole", "whole_again")}
     events: dict[str, float] = {}
     launches = {
-        "kill": _launch(dirs["kill"], FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"),
-        "stop": _launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
-        "whole": _launch(dirs["whole"], FT_PAUSE="0.1"),
+        "kill": ft.launch(
+            dirs["kill"], FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"
+        ),
+        "stop": ft.launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
+        "whole": ft.launch(dirs["whole"], FT_PAUSE="0.1"),
     }
     started: dict[str, Any] = {}
     restarter = threading.Thread(
@@ -311,10 +229,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         log = (dirs["reference"] / "log.txt").read_text()[-6000:]
         assert code == 0, f"the launcher's run ended with {code}; log:\n{log}"
         for name in ("stop", "kill"):
-            _finish(launches[name], dirs[name], timeout=240)
+            ft.finish(launches[name], dirs[name], timeout=240)
         restarter.join(timeout=200)
         assert "again" in started, "the whole job was not started again"
-        _finish(started["again"], dirs["whole_again"], timeout=200)
+        ft.finish(started["again"], dirs["whole_again"], timeout=200)
     finally:
         restarter.join(timeout=200)
         if "again" in started:
@@ -341,16 +259,16 @@ def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing
     rejoins. Group 0 never restarts, trains alone meanwhile, and the run ends on the fault-free run's
     weights with every step's global batch trained exactly once."""
     out = runs["kill"]
-    assert [a for a, _ in _pids(out, 0)] == [0], "the healthy group's process was restarted"
-    attempts = _pids(out, 1)
+    assert [a for a, _ in ft.pids(out, 0)] == [0], "the healthy group's process was restarted"
+    attempts = ft.pids(out, 1)
     assert [a for a, _ in attempts] == [0, 1, 2], "group 1 dies at step 4 and again while recovering"
     assert len({pid for _, pid in attempts}) == 3
-    rows = _rows(out, 1)
+    rows = ft.rows(out, 1)
     assert not [r for r in rows if r["attempt"] == 1], "the first restart died before its first step"
     rejoined = [r["step"] for r in rows if r["attempt"] == 2]
     assert rejoined and rejoined[0] > 4, "the restarted group did not start at the quorum's step"
-    assert any(r["participants"] == 1 for r in _rows(out, 0)), "the survivor never trained alone"
-    _check_against_reference(runs["reference"], out)
+    assert any(r["participants"] == 1 for r in ft.rows(out, 0)), "the survivor never trained alone"
+    ft.check_against_reference(runs["reference"], out)
 
 
 @pytest.mark.slow
@@ -360,13 +278,15 @@ def test_stopped_group_and_lighthouse_restart_restart_nobody(runs: dict) -> None
     continues (same process); a Lighthouse down for 2 s and started again is retried, not fatal."""
     out, events = runs["stop"], runs["events"]
     assert "lighthouse_down_at_step" in events, f"the actions did not all run: {events}"
-    assert [a for a, _ in _pids(out, 0)] == [0] and [a for a, _ in _pids(out, 1)] == [0], "a group restarted"
-    alone = [r["step"] for r in _rows(out, 0) if r["participants"] == 1]
+    assert [a for a, _ in ft.pids(out, 0)] == [0] and [a for a, _ in ft.pids(out, 1)] == [0], (
+        "a group restarted"
+    )
+    alone = [r["step"] for r in ft.rows(out, 0) if r["participants"] == 1]
     assert alone and alone[0] >= events["stopped_at_step"] - 1, "group 0 did not go on alone"
-    back = [r["step"] for r in _rows(out, 1) if r["step"] > alone[0]]
+    back = [r["step"] for r in ft.rows(out, 1) if r["step"] > alone[0]]
     assert back and back[0] > alone[-1], "the stopped group did not heal to the quorum's step"
     assert events["lighthouse_down_at_step"] < STEPS, "the Lighthouse went down after the run ended"
-    _check_against_reference(runs["reference"], out)
+    ft.check_against_reference(runs["reference"], out)
 
 
 @pytest.mark.slow
@@ -375,11 +295,11 @@ def test_whole_job_ended_resumes_from_its_commit(runs: dict) -> None:
     """Both groups ended at step 17: the job started again resumes from the commit of step 10 (at
     most commit_every=10 steps redone, on the same samples) and ends on the fault-free weights."""
     first, again = runs["whole"], runs["whole_again"]
-    resumed = min(r["step"] for r in _rows(again, 0))
-    ended = max(r["step"] for r in _rows(first, 0))
+    resumed = min(r["step"] for r in ft.rows(again, 0))
+    ended = max(r["step"] for r in ft.rows(first, 0))
     assert resumed == 10 and 0 < ended + 1 - resumed <= 10, (resumed, ended)
-    before = {step: indices for step, indices in _steps(first).items() if step < resumed}
-    _check_against_reference(runs["reference"], again, {**before, **_steps(again)})
+    before = {step: indices for step, indices in ft.steps(first).items() if step < resumed}
+    ft.check_against_reference(runs["reference"], again, {**before, **ft.steps(again)})
 
 
 @pytest.mark.slow
@@ -415,10 +335,10 @@ def test_soak_random_kills_lose_nothing(tmp_path: Path) -> None:
         last_kill = time.monotonic()
         while any(p.poll() is None for p in procs):
             time.sleep(1)
-            together = all(_rows(out, g) and _rows(out, g)[-1]["participants"] == 2 for g in (0, 1))
+            together = all(ft.rows(out, g) and ft.rows(out, g)[-1]["participants"] == 2 for g in (0, 1))
             if together and time.monotonic() - last_kill > every:
                 group = rng.randrange(2)
-                os.kill(_pids(out, group)[-1][1], signal.SIGKILL)  # our child's worker, by PID
+                os.kill(ft.pids(out, group)[-1][1], signal.SIGKILL)  # our child's worker, by PID
                 kills[group] += 1
                 last_kill = time.monotonic()
             assert time.monotonic() - last_kill < 600, "no progress for 10 minutes"
@@ -428,9 +348,9 @@ def test_soak_random_kills_lose_nothing(tmp_path: Path) -> None:
     assert [p.returncode for p in procs] == [0, 0], (out / "log.txt").read_text()[-4000:]
     print(f"soak: {steps} steps, kills per group {kills}")
     for group in (0, 1):
-        assert len(_pids(out, group)) == kills[group] + 1, f"group {group} restarted other than when killed"
-    samples = _steps(out)
+        assert len(ft.pids(out, group)) == kills[group] + 1, f"group {group} restarted other than when killed"
+    samples = ft.steps(out)
     assert sorted(samples) == list(range(steps))
     for step, indices in samples.items():
         assert len(indices) == GLOBAL_BATCH == len(set(indices)), f"step {step}: a sample lost or repeated"
-    assert all(torch.equal(a, b) for a, b in zip(_weights(out, 0).values(), _weights(out, 1).values()))
+    assert all(torch.equal(a, b) for a, b in zip(ft.weights(out, 0).values(), ft.weights(out, 1).values()))

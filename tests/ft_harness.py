@@ -1,0 +1,117 @@
+"""Launching and reading FaultTolerant runs of ``tests/scripts/ft_train.py`` for the live-recovery tests:
+a Lighthouse and one torchrun per replica group (``launch``/``finish``), and what each group wrote
+(``pids``, ``rows``, ``steps``, ``weights``), checked against a fault-free run (``check_against_reference``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+from helpers import ROOT, child_env
+
+from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups
+
+SCRIPT = ROOT / "tests" / "scripts" / "ft_train.py"
+STEPS = 30
+GLOBAL_BATCH = 16
+Launch = tuple[Lighthouse, list[subprocess.Popen]]
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) with a listening socket on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def launch(out: Path, groups: int = 2, steps: int = STEPS, **env: str) -> Launch:
+    """A Lighthouse and ``groups`` torchruns (3 restarts each) of the test script, writing to ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
+    log = open(out / "log.txt", "w")  # noqa: SIM115
+    procs = start_groups(
+        [str(SCRIPT)],
+        groups,
+        lighthouse.address,
+        max_restarts=3,
+        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), **env),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return lighthouse, procs
+
+
+def finish(started: Launch, out: Path, timeout: float) -> None:
+    """Wait for every group of ``started`` to exit 0 within ``timeout`` s; end what is left either way."""
+    lighthouse, procs = started
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail(
+            f"the replica groups did not finish in {timeout} s; log:\n{(out / 'log.txt').read_text()[-6000:]}"
+        )
+    finally:
+        stop_groups(procs)
+        lighthouse.shutdown()
+    codes = [p.returncode for p in procs]
+    assert codes == [0] * len(procs), f"exit codes {codes}; log:\n{(out / 'log.txt').read_text()[-6000:]}"
+
+
+def pids(out: Path, group: int) -> list[tuple[int, int]]:
+    """(torchrun agent PID, worker PID) of each attempt of ``group``."""
+    text = (out / f"pids_{group}.txt").read_text()
+    return [tuple(map(int, line.split())) for line in text.split("\n") if line]  # type: ignore[misc]
+
+
+def rows(out: Path, group: int) -> list[dict]:
+    """The committed steps ``group`` has written so far."""
+    path = out / f"steps_{group}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def steps(out: Path, groups: int = 2) -> dict[int, list[int]]:
+    """step -> the samples trained on in it, over all groups (committed steps only)."""
+    samples: dict[int, list[int]] = {}
+    for group in range(groups):
+        for row in rows(out, group):
+            samples.setdefault(row["step"], []).extend(row["indices"])
+    return samples
+
+
+def weights(out: Path, group: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"final_{group}.pt", weights_only=True)
+
+
+def check_against_reference(
+    ref: Path,
+    out: Path,
+    samples: Optional[dict[int, list[int]]] = None,
+    groups: int = 2,
+    n_steps: int = STEPS,
+    global_batch: int = GLOBAL_BATCH,
+    atol: float = 1e-6,
+    rtol: float = 1e-5,
+) -> None:
+    """Every step of the run in ``out`` (or ``samples``: step -> samples) trained its global batch
+    exactly once, the reference's samples, and every group ends on the reference's weights (within
+    ``atol``/``rtol``; the groups bitwise equal to each other)."""
+    reference, faulty = steps(ref, groups), steps(out, groups) if samples is None else samples
+    assert sorted(faulty) == list(range(n_steps))
+    for step, indices in faulty.items():
+        assert len(indices) == global_batch == len(set(indices)), f"step {step}: a sample lost or repeated"
+        assert sorted(indices) == sorted(reference[step]), f"step {step} trained other samples"
+    for group in range(groups):
+        torch.testing.assert_close(weights(out, group), weights(ref, 0), atol=atol, rtol=rtol)
+    for group in range(1, groups):
+        assert all(torch.equal(a, b) for a, b in zip(weights(out, 0).values(), weights(out, group).values()))
