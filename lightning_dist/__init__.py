@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.diloco import DiLoCo
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
+    from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
     from lightning_dist.strategies.sharded import Sharded
@@ -34,6 +35,7 @@ __all__ = [
     "Elastic",
     "ElasticDiLoCo",
     "FaultTolerant",
+    "FaultTolerantDiLoCo",
     "Horovod",
     "HorovodAdasum",
     "Sharded",

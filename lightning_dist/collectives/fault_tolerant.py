@@ -360,6 +360,11 @@ class FaultTolerantTransport:
         """Whether every group of the quorum finished the step; the optimizer steps only then."""
         return bool(self.manager.should_commit())
 
+    def report_error(self, error: Exception) -> None:
+        """Mark the current step failed, so it is not committed: for a collective that raised outside
+        the Manager's all-reduce (those on the current process group, e.g. an all-gather)."""
+        self.manager.report_error(error)
+
     @property
     def step(self) -> int:
         """Committed steps (the global step every group agrees on)."""

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.diloco import DiLoCo
     from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
+    from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
     from lightning_dist.strategies.sharded import Sharded
@@ -26,6 +27,7 @@ _CLASSES = {
     "ElasticDiLoCo": "elastic",
     "ElasticMixin": "elastic",
     "FaultTolerant": "fault_tolerant",
+    "FaultTolerantDiLoCo": "fault_tolerant_diloco",
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
     "Sharded": "sharded",
@@ -41,6 +43,7 @@ __all__ = [
     "ElasticDiLoCo",
     "ElasticMixin",
     "FaultTolerant",
+    "FaultTolerantDiLoCo",
     "Horovod",
     "HorovodAdasum",
     "Sharded",

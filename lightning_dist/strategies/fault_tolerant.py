@@ -110,7 +110,7 @@ class _StepCallback(L.Callback):
             strategy.transport is not None
             and strategy._slot_in_step(batch_idx) == strategy.slots_per_step - 1
         ):
-            set_global_step(trainer, strategy.transport.step)
+            set_global_step(trainer, strategy.data_step())
             strategy.undo_schedulers()
             if strategy.options.commit_every and strategy.transport.step % strategy.options.commit_every == 0:
                 strategy.write_commit()
@@ -275,7 +275,7 @@ class FaultTolerant(SingleDeviceStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.transport is not None:  # a resumed group's loop starts at its commit's step
-            set_global_step(self._fit_trainer(), self.transport.step, logger_step=True)
+            set_global_step(self._fit_trainer(), self.data_step(), logger_step=True)
 
     @override
     def teardown(self) -> None:
@@ -381,6 +381,12 @@ class FaultTolerant(SingleDeviceStrategy):
         epoch, in_epoch = divmod(step, self.plan.steps_per_epoch)
         return self._sampler(epoch).rank_batches(in_epoch, 0)[slot]
 
+    def data_step(self) -> int:
+        """The global step whose samples the current step trains, and the Trainer's ``global_step``:
+        the committed steps (``FaultTolerantDiLoCo``: its inner steps)."""
+        assert self.transport is not None
+        return self.transport.step
+
     @property
     def participants(self) -> int:
         """Groups in the current step's quorum."""
@@ -413,8 +419,8 @@ class FaultTolerant(SingleDeviceStrategy):
         if self._skipping:
             self._rank = None  # this step's quorum was formed at the old step: it is not run
         trainer = self._fit_trainer()
-        set_global_step(trainer, self.transport.step, logger_step=True)
-        if self._skipping and trainer.max_steps >= 0 and self.transport.step >= trainer.max_steps:
+        set_global_step(trainer, self.data_step(), logger_step=True)
+        if self._skipping and trainer.max_steps >= 0 and self.data_step() >= trainer.max_steps:
             trainer.should_stop = True
 
     def _catch_up(self) -> bool:
@@ -480,7 +486,7 @@ class FaultTolerant(SingleDeviceStrategy):
         if not self.owns(slot):
             # another group computes this slot: nothing to add to the gradient
             return torch.zeros((), device=self.root_device, requires_grad=True)
-        indices = self.slot_indices(self.transport.step, slot)
+        indices = self.slot_indices(self.data_step(), slot)
         self._step_indices += indices
         real = self._read(indices)
         if args:

@@ -35,6 +35,7 @@ HOROVOD_ADASUM = f"{_PACKAGE}.horovod_adasum.HorovodAdasum"
 SHARDED = f"{_PACKAGE}.sharded.Sharded"
 SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
 FAULT_TOLERANT = f"{_PACKAGE}.fault_tolerant.FaultTolerant"
+FAULT_TOLERANT_DILOCO = f"{_PACKAGE}.fault_tolerant_diloco.FaultTolerantDiLoCo"
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,13 @@ def _names() -> list[Name]:
         names.append(
             Name(f"ld_sharded_diloco_{wire}", SHARDED_DILOCO, description, init_params={"compression": wire})
         )
+    names.append(
+        Name(
+            "ld_fault_tolerant_diloco",
+            FAULT_TOLERANT_DILOCO,
+            "DiLoCo on torchft: a replica group that fails rejoins from the last sync and redoes its share",
+        )
+    )
     return names
 
 

@@ -300,3 +300,15 @@ class FaultTolerantOptions:
         if self.start_groups is None:
             self.start_groups = self.replica_groups
         check_int("start_groups", self.start_groups, 1, self.replica_groups, owner=owner)
+
+
+@dataclass
+class FaultTolerantDiLoCoOptions:
+    """What ``FaultTolerantDiLoCo`` adds to ``FaultTolerant``'s and ``DiLoCo``'s options."""
+
+    rejoin_timeout_s: float = 60.0
+    """How long the groups at a sync that did not commit (a group of the period failed) wait for the
+    period's groups to be back in the quorum; past it they run the period again among themselves."""
+
+    def __post_init__(self) -> None:
+        check_number("rejoin_timeout_s", self.rejoin_timeout_s, 0, owner="FaultTolerantDiLoCo")

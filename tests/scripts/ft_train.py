@@ -5,7 +5,11 @@ group's worker SIGKILLs itself at the start of that step, on its first attempt o
 ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training alone sleeps FT_SLEEP
 per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
-itself while it applies its peer's state), FT_COMMITS (the commits' directory). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_INNER=sgd (plain
+SGD instead of Adam), FT_STRATEGY=diloco (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT;
+it also writes ``syncs_<g>.jsonl``: the checksum of each sync's state, and ``starts_<g>.jsonl``: each
+period started from a loaded state, its sync and the checksum of what was loaded).
+Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step) and ``final_<g>.pt`` (the weights at the end).
 """
@@ -16,14 +20,17 @@ import json
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dist import FaultTolerant
+from lightning_dist import FaultTolerant, FaultTolerantDiLoCo
+from lightning_dist.collectives.fault_tolerant import state_checksum
 
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])
@@ -58,7 +65,10 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> dict:
-        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        if os.environ.get("FT_INNER") == "sgd":  # no optimizer state: a redone period is bitwise the same
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=0.05)
+        else:
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
         # a per-step schedule: a step that is not committed must not move it
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.97)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -70,6 +80,7 @@ class Record(L.Callback):
     def __init__(self) -> None:
         self.written = 0
         self.last: int | None = None
+        self.synced = self.started = 0
         self.file = open(OUT / f"steps_{GROUP}.jsonl", "a")  # noqa: SIM115
 
     def on_train_batch_start(
@@ -77,6 +88,8 @@ class Record(L.Callback):
     ) -> None:
         strategy = trainer.strategy
         assert isinstance(strategy, FaultTolerant)
+        if isinstance(strategy, FaultTolerantDiLoCo):
+            self.write_syncs(strategy)
         if (
             ATTEMPT == 0
             and (GROUP, trainer.global_step) in FAIL
@@ -106,6 +119,23 @@ class Record(L.Callback):
         self.file.flush()
         os.fsync(self.file.fileno())
 
+    def write_syncs(self, strategy: FaultTolerantDiLoCo) -> None:
+        """Each new sync's state (once the strategy took it, before the next batch) and each period
+        started from a loaded state, with their checksums."""
+        if strategy.syncs != self.synced:
+            self.synced = strategy.syncs
+            row = {"sync": self.synced, "crc": state_checksum(strategy.sync_state()), "attempt": ATTEMPT}
+            with open(OUT / f"syncs_{GROUP}.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+        for sync, crc in strategy.starts[self.started :]:
+            with open(OUT / f"starts_{GROUP}.jsonl", "a") as fh:
+                fh.write(json.dumps({"sync": sync, "crc": crc, "attempt": ATTEMPT}) + "\n")
+        self.started = len(strategy.starts)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy, FaultTolerantDiLoCo):
+            self.write_syncs(trainer.strategy)
+
 
 def main() -> None:
     with open(OUT / f"pids_{GROUP}.txt", "a") as fh:
@@ -115,7 +145,11 @@ def main() -> None:
     x = torch.randn(n, 8, generator=g)
     y = x.sum(dim=1, keepdim=True).sin()
     data = TensorDataset(x, y, torch.arange(n))
-    strategy = FaultTolerant(
+    kind: Any = FaultTolerant
+    if os.environ.get("FT_STRATEGY") == "diloco":
+        rejoin = float(os.environ.get("FT_REJOIN_TIMEOUT", "60"))
+        kind = partial(FaultTolerantDiLoCo, inner_steps=int(os.environ["FT_H"]), rejoin_timeout_s=rejoin)
+    strategy = kind(
         replica_groups=2,
         global_batch=16,
         timeout_s=float(os.environ.get("FT_TIMEOUT", "10")),
