@@ -210,10 +210,9 @@ class FaultTolerantDiLoCo(FaultTolerant):
     @override
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         """Start a period from ``state``, one as of a sync (a peer's, a commit's, or this group's own)."""
-        self._snapshot = _copy(state)
-        loaded = copy.deepcopy(state)  # the optimizers may keep its tensors: none of the snapshot's
-        super()._load_state_dict(loaded)
-        self._outer().load_state_dict(loaded["diloco"]["outer"])
+        self._snapshot = _copy(state)  # the optimizers may keep ``state``'s tensors and step them in place
+        super()._load_state_dict(state)
+        self._outer().load_state_dict(state["diloco"]["outer"])
         self.inner_step = 0
         self._period = None
         self._pending = []
