@@ -330,17 +330,18 @@ class FaultTolerantDiLoCo(FaultTolerant):
         if weight != 1:
             for delta in deltas:
                 delta.mul_(weight)
-        owned = [float(participants * owns_slot(j, *self._period)) for j in range(slots)]
-        deltas.append(torch.tensor(owned, dtype=deltas[0].dtype if deltas else torch.float32))
+        trained_by = torch.tensor(
+            [float(owns_slot(j, *self._period)) for j in range(slots)], device=self.root_device
+        )
         buffers: list[Tensor] = []
         if self.diloco.sync_buffers:
             buffers = [b.detach().clone() for b in _persistent_float_buffers(self.lightning_module)]
         averaged: list[Tensor] = []
         try:
+            comm.all_reduce(trained_by, "sum")
             averaged = average_pseudo_gradients(comm, self.compressor, deltas)
             for indices in _by_dtype(buffers).values():
                 comm.all_reduce([buffers[i] for i in indices], "avg")
-            trained_by = averaged.pop().round()
             if not torch.equal(trained_by, torch.ones_like(trained_by)):
                 raise ValueError(
                     f"{OWNER}: the quorum's groups trained the period's slots {trained_by.tolist()} times: "
