@@ -42,7 +42,6 @@ STEPS, H, KILL_AT = 20, 5, 7
         ({"inner_steps": 0}, "inner_steps"),
         ({"outer_momentum": 1.0}, "outer_momentum"),
         ({"rejoin_timeout_s": -1}, "rejoin_timeout_s"),
-        ({"compression": "int8"}, "compression"),
         ({"compression": "topk"}, "compression"),
         ({"replica_groups": 0}, "replica_groups"),
         ({"timeout_s": 0}, "timeout_s"),
@@ -62,6 +61,8 @@ def test_registered_name_builds_the_strategy() -> None:
     from lightning_dist import FaultTolerantDiLoCo
 
     assert StrategyRegistry["ld_fault_tolerant_diloco"]["strategy"] is FaultTolerantDiLoCo
+    int8 = StrategyRegistry["ld_fault_tolerant_diloco_int8"]
+    assert int8["strategy"] is FaultTolerantDiLoCo and int8["init_params"] == {"compression": "int8"}
     strategy = FaultTolerantDiLoCo(inner_steps=7, replica_groups=3, compression="bf16")
     assert strategy.diloco.inner_steps == 7 and strategy.options.replica_groups == 3
     assert strategy.compressor.name == "bf16"

@@ -103,7 +103,9 @@ class FaultTolerantDiLoCo(FaultTolerant):
 
     Args:
         inner_steps, outer_lr, outer_momentum, nesterov, compression, sync_buffers: ``DiLoCo``'s
-            (``compression``: how the pseudo-gradients cross the wire, None/"none", "fp16", "bf16").
+            (``compression``: how the pseudo-gradients cross the wire: None, "none", "fp16", "bf16",
+            "int8"; int8's all-to-all and all-gather run on the quorum's process group, outside the
+            Manager's all-reduce: an error there also makes the sync not commit).
         rejoin_timeout_s: how long the groups of a sync that did not commit wait for the period's
             groups to be back in the quorum before they run the period again among themselves.
         **options: ``FaultTolerant``'s (``replica_groups``, ``global_batch``: per inner step,
@@ -128,11 +130,6 @@ class FaultTolerantDiLoCo(FaultTolerant):
         unknown = {k: v for k, v in options.items() if k not in FAULT_TOLERANT_ARGUMENTS}
         reject_unknown_options(OWNER, unknown, self._accepted_options())
         self.compressor = build_diloco_compressor(compression)
-        if self.compressor.name not in ("none", "fp16", "bf16"):
-            raise ValueError(
-                f"{OWNER}: compression={compression!r}; accepted: None, 'none', 'fp16', 'bf16' (the "
-                "exchanges that run inside torchft's fault-tolerant all-reduce)"
-            )
         super().__init__(**options)
         self.outer: Optional[OuterSGD] = None
         self.inner_step = 0

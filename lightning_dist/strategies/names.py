@@ -157,6 +157,14 @@ def _names() -> list[Name]:
             "DiLoCo on torchft: a replica group that fails rejoins from the last sync and redoes its share",
         )
     )
+    names.append(
+        Name(
+            "ld_fault_tolerant_diloco_int8",
+            FAULT_TOLERANT_DILOCO,
+            "DiLoCo on torchft with int8 pseudo-gradients on the wire",
+            init_params={"compression": "int8"},
+        )
+    )
     return names
 
 
