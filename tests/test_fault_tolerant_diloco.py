@@ -83,11 +83,13 @@ def test_every_slot_has_one_group_and_the_shares_weigh_one(participants: int, sl
     assert owned_slots(slots, participants, None) == 0
 
 
-def _fit_one_group(root: Path, run_again_at: Optional[int]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A one-group FaultTolerantDiLoCo fit in this process (Adam, a per-step schedule, 3 periods of 3
+def _fit_one_group(
+    root: Path, run_again_at: Optional[int] = None, max_steps: int = 9, commits: Optional[Path] = None
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A one-group FaultTolerantDiLoCo fit in this process (Adam, a per-step schedule, periods of 3
     inner steps); with ``run_again_at``, the sync of that period does not commit, twice, and each time
     the period runs again from the last sync (as when its groups are not back within
-    ``rejoin_timeout_s``)."""
+    ``rejoin_timeout_s``); with ``commits``, a commit at every sync there (resumed from when there is one)."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -122,13 +124,18 @@ def _fit_one_group(root: Path, run_again_at: Optional[int]) -> tuple[Any, dict[s
     data = TensorDataset(x, x.sum(dim=1, keepdim=True).cos())
     with Lighthouse("127.0.0.1:0") as lighthouse:
         strategy = RunsAPeriodAgain(
-            inner_steps=3, replica_groups=1, global_batch=8, lighthouse=lighthouse.address, commit_every=0
+            inner_steps=3,
+            replica_groups=1,
+            global_batch=8,
+            lighthouse=lighthouse.address,
+            commit_every=0 if commits is None else 1,
+            dirpath=commits,
         )
         module = Module()
         trainer = L.Trainer(
             accelerator="cpu",
             strategy=strategy,
-            max_steps=9,
+            max_steps=max_steps,
             default_root_dir=root,
             logger=False,
             enable_checkpointing=False,
@@ -152,6 +159,22 @@ def test_a_period_run_again_from_the_last_sync_ends_on_the_same_weights(tmp_path
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert [r.step for r in again.committed] == list(range(9))
     assert [r.indices for r in again.committed] == [r.indices for r in plain.committed]
+
+
+def test_a_whole_job_restart_resumes_from_the_commit_of_the_last_sync(tmp_path: Path) -> None:
+    """Commits are the floor: a job ended one inner step after its second sync and started again on
+    its commits resumes at the commit of sync 2 (the weights, Adam's moments, the schedule and the
+    outer state as of it; the inner step after it is run again) and ends bitwise on the weights of a
+    job that ran through, each inner step trained once."""
+    through, expected = _fit_one_group(tmp_path / "through")
+    commits = tmp_path / "commits"
+    with pytest.warns(UserWarning, match="not a multiple of inner_steps"):
+        first, _ = _fit_one_group(tmp_path / "first", max_steps=7, commits=commits)
+    again, got = _fit_one_group(tmp_path / "again", commits=commits)
+    assert (first.resumed_from, again.resumed_from) == (None, 2)
+    assert [r.step for r in first.committed + again.committed] == list(range(9))
+    assert [r.indices for r in first.committed + again.committed] == [r.indices for r in through.committed]
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
 
 
 # -- slow: a kill inside a period ------------------------------------------------------------------------
