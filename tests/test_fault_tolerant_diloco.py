@@ -68,6 +68,18 @@ def test_registered_name_builds_the_strategy() -> None:
     assert strategy.compressor.name == "bf16"
 
 
+def test_a_period_longer_than_the_timeouts_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    from lightning_dist import FaultTolerantDiLoCo
+
+    strategy = FaultTolerantDiLoCo(timeout_s=30, quorum_timeout_s=60)
+    strategy._check_timeouts(20.0)
+    assert not caplog.records
+    strategy._check_timeouts(31.0)
+    strategy._check_timeouts(90.0)
+    assert [r.getMessage() for r in caplog.records if "timeout_s=30" in r.getMessage()] != []
+    assert len(caplog.records) == 1
+
+
 @pytest.mark.parametrize("participants", [1, 2, 3, 4])
 @pytest.mark.parametrize("slots", [1, 2, 3, 4, 8])
 def test_every_slot_has_one_group_and_the_shares_weigh_one(participants: int, slots: int) -> None:

@@ -148,6 +148,8 @@ class FaultTolerantDiLoCo(FaultTolerant):
         self._own = 0
         self._quorum_kept = False
         self._synced = False
+        self._warned = False
+        self._period_started = 0.0
         """Whether the next period starts with the current quorum (formed where a sync did not commit)."""
         self._pending: list[StepRecord] = []
 
@@ -239,6 +241,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
         self._period = (self._participants, self._rank)
         self._own = owned_slots(self.slots_per_step, self._participants, self._rank)
         self._state_dict()  # the first period's start is its last sync
+        self._period_started = time.monotonic()
         if self._loaded is not None:
             self.starts.append((self.syncs, self._loaded))
             self._loaded = None
@@ -277,6 +280,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
         """End the period: the pseudo-gradients summed over its groups and the outer step, once that
         commits. A sync that does not commit runs again with the period's groups once they are back,
         else the period runs again (module docstring)."""
+        failed = self.failed_syncs
         while True:
             result = self._exchange()
             if result is not None:
@@ -302,6 +306,23 @@ class FaultTolerantDiLoCo(FaultTolerant):
         self.inner_step = 0
         self._period = None
         self._synced = True
+        if failed == self.failed_syncs:  # a period without a failure: how long one takes
+            self._check_timeouts(time.monotonic() - self._period_started)
+
+    def _check_timeouts(self, period_s: float) -> None:
+        """Warn once when a period takes longer than the timeouts a rejoining group needs."""
+        shortest = min(self.options.timeout_s, self.options.quorum_timeout_s)
+        if period_s > shortest and not self._warned:
+            self._warned = True
+            logger.warning(
+                "%s: a period took %.0f s, longer than timeout_s=%s or quorum_timeout_s=%s: a group that "
+                "fails could not rejoin (it waits for the others' sync, they wait for its share of the "
+                "period); set both above the time of a period",
+                OWNER,
+                period_s,
+                self.options.timeout_s,
+                self.options.quorum_timeout_s,
+            )
 
     @override
     def undo_schedulers(self) -> None:
