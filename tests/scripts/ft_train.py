@@ -6,7 +6,8 @@ group's worker SIGKILLs itself at the start of that step, on its first attempt o
 per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_INNER=sgd (plain
-SGD instead of Adam), FT_STRATEGY=diloco (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT;
+SGD instead of Adam), FT_STRATEGY=diloco (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT,
+FT_DILOCO_COMPRESSION;
 it also writes ``syncs_<g>.jsonl``: the checksum of each sync's state, and ``starts_<g>.jsonl``: each
 period started from a loaded state, its sync and the checksum of what was loaded).
 Writes, per group: ``pids_<g>.txt`` (one line per attempt),
@@ -148,7 +149,13 @@ def main() -> None:
     kind: Any = FaultTolerant
     if os.environ.get("FT_STRATEGY") == "diloco":
         rejoin = float(os.environ.get("FT_REJOIN_TIMEOUT", "60"))
-        kind = partial(FaultTolerantDiLoCo, inner_steps=int(os.environ["FT_H"]), rejoin_timeout_s=rejoin)
+        wire = os.environ.get("FT_DILOCO_COMPRESSION")
+        kind = partial(
+            FaultTolerantDiLoCo,
+            inner_steps=int(os.environ["FT_H"]),
+            rejoin_timeout_s=rejoin,
+            compression=wire,
+        )
     strategy = kind(
         replica_groups=2,
         global_batch=16,
