@@ -14,8 +14,10 @@ loop (``OuterSGD``, ``average_pseudo_gradients``). A *period* is ``inner_steps``
 - **Sync.** After ``inner_steps`` inner steps the groups sum their pseudo-gradients (last-sync
   parameters minus current ones, each weighted by its share of the period's samples: the average with
   equal shares) through the Manager's all-reduce, so a failed peer makes the sync not commit instead of
-  raising; only a committed sync takes the outer Nesterov step. Floating-point buffers are averaged
-  with it. The quorum formed for a period is the one that syncs it (one quorum per period).
+  raising; with them goes which group trained each slot, and a sync commits only when every slot was
+  trained by exactly one of its groups. Only a committed sync takes the outer Nesterov step.
+  Floating-point buffers are averaged with it. The quorum formed for a period is the one that syncs
+  it (one quorum per period).
 - **A failure inside a period.** The sync does not commit (the outer state does not move) and is run
   again: the groups that are there form quorums until the period's groups are all back (the same
   number, each group at its place), up to ``rejoin_timeout_s``. The failed group's torchrun restarts
