@@ -271,7 +271,9 @@ class ManagedBackend(Backend):
 
     @override
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
-        return self._managed(lambda: self._current().all_to_all(outputs, inputs), [o.zero_() for o in outputs])
+        return self._managed(
+            lambda: self._current().all_to_all(outputs, inputs), [o.zero_() for o in outputs]
+        )
 
     @override
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:

@@ -154,7 +154,12 @@ def _names() -> list[Name]:
     for compressor in FAULT_TOLERANT_COMPRESSORS:
         description = f"live recovery on torchft, {compressor} gradient compression"
         names.append(
-            Name(f"ld_fault_tolerant_{compressor}", FAULT_TOLERANT, description, init_params={"compressor": compressor})
+            Name(
+                f"ld_fault_tolerant_{compressor}",
+                FAULT_TOLERANT,
+                description,
+                init_params={"compressor": compressor},
+            )
         )
     return names
 

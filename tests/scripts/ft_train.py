@@ -38,7 +38,7 @@ FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FA
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
 PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 """Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
-DROP = {tuple(int(x) for x in os.environ["FT_DROP_RESIDUAL"].split(":"))} if "FT_DROP_RESIDUAL" in os.environ else set()
+DROP = os.environ.get("FT_DROP_RESIDUAL", "")
 AWAIT = os.environ.get("FT_AWAIT", "")
 """``group:attempt``: a group training alone sleeps FT_SLEEP per slot until that attempt has rejoined."""
 
@@ -90,7 +90,7 @@ class Record(L.Callback):
             and strategy.owns(batch.index % strategy.slots_per_step)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
-        if (GROUP, trainer.global_step) in DROP and batch.index % strategy.slots_per_step == 0:
+        if DROP == f"{GROUP}:{trainer.global_step}" and batch.index % strategy.slots_per_step == 0:
             assert strategy.compression is not None
             compressor = strategy.compression.compressor
             compressor.load_state_dict(without_residuals(compressor.state_dict()))
