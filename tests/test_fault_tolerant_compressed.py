@@ -277,7 +277,7 @@ def compressed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         "reference": ft.launch(dirs["reference"], steps=STEPS, **env),
         "dropped": ft.launch(dirs["dropped"], steps=STEPS, FT_DROP_RESIDUAL=f"1:{KILL_STEP}", **env),
         "kill": ft.launch(
-            dirs["kill"], steps=STEPS, FT_FAIL=f"1:{KILL_STEP}", FT_SLEEP="1.5", FT_AWAIT="1:1", **env
+            dirs["kill"], steps=STEPS, FT_FAIL=f"1:{KILL_STEP}", FT_SLEEP="2.0", FT_AWAIT="1:1", **env
         ),
     }
     try:
