@@ -216,6 +216,21 @@ def test_two_recovering_groups_take_a_third_each() -> None:
         torch.testing.assert_close(sum(parts), whole, rtol=1e-6, atol=0)
 
 
+def test_the_compressor_state_a_peer_sends_is_checked_like_the_rest() -> None:
+    """The compressor's state travels in the stamped state: a residual or warm-start factor changed
+    in transfer fails the checksum before anything trains on it."""
+    from lightning_dist.collectives.fault_tolerant import checked_state, stamp_state
+
+    sender = _two_trained_groups()[0]
+    model = {"w": torch.ones(2)}
+    for entry in ("residual", "q"):
+        received = stamp_state({"model": model, "compressor": sender.state(shares=2)}, 5)
+        assert checked_state(received, 5, model)["compressor"]["shares"] == 2
+        received["state"]["compressor"]["state"]["keys"][KEY][entry]["16x8"][0, 0, 0] += 1.0
+        with pytest.raises(ValueError, match="checksum"):
+            checked_state(received, 5, model)
+
+
 def test_a_commit_gives_the_shared_state_and_no_residual() -> None:
     """A group resuming from a commit (the writer's state only) keeps the shared state and starts its
     residuals at zero: every group resuming would otherwise count the writer's residual again."""
