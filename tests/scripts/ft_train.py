@@ -90,7 +90,7 @@ class Record(L.Callback):
             and strategy.owns(batch.index % strategy.slots_per_step)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
-        if DROP == f"{GROUP}:{trainer.global_step}" and batch.index % strategy.slots_per_step == 0:
+        if f"{GROUP}:{trainer.global_step}" == DROP and batch.index % strategy.slots_per_step == 0:
             assert strategy.compression is not None
             compressor = strategy.compression.compressor
             compressor.load_state_dict(without_residuals(compressor.state_dict()))
