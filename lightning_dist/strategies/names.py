@@ -35,6 +35,8 @@ HOROVOD_ADASUM = f"{_PACKAGE}.horovod_adasum.HorovodAdasum"
 SHARDED = f"{_PACKAGE}.sharded.Sharded"
 SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
 FAULT_TOLERANT = f"{_PACKAGE}.fault_tolerant.FaultTolerant"
+FAULT_TOLERANT_COMPRESSORS = ("fp16", "bf16", "int8", "powersgd")
+"""The compressors with a registered ``ld_fault_tolerant_<compressor>`` name."""
 FAULT_TOLERANT_DILOCO = f"{_PACKAGE}.fault_tolerant_diloco.FaultTolerantDiLoCo"
 
 
@@ -149,6 +151,16 @@ def _names() -> list[Name]:
         description = f"DiLoCo over FSDP2 shards with {wire} pseudo-gradients on the wire"
         names.append(
             Name(f"ld_sharded_diloco_{wire}", SHARDED_DILOCO, description, init_params={"compression": wire})
+        )
+    for compressor in FAULT_TOLERANT_COMPRESSORS:
+        description = f"live recovery on torchft, {compressor} gradient compression"
+        names.append(
+            Name(
+                f"ld_fault_tolerant_{compressor}",
+                FAULT_TOLERANT,
+                description,
+                init_params={"compressor": compressor},
+            )
         )
     names.append(
         Name(
