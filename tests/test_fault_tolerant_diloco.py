@@ -52,6 +52,7 @@ INT8_ATOL = 5e-3
         ({"replica_groups": 0}, "replica_groups"),
         ({"timeout_s": 0}, "timeout_s"),
         ({"reduce_op": "avg"}, "reduce_op"),
+        ({"compressor": "fp16"}, "compressor"),  # FaultTolerant's gradient compression: none here
     ],
 )
 def test_bad_options_name_the_argument(kwargs: dict, named: str) -> None:

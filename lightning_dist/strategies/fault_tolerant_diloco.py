@@ -149,10 +149,10 @@ class FaultTolerantDiLoCo(FaultTolerant):
         """(participants, this group's rank) of the quorum that started the current period."""
         self._own = 0
         self._quorum_kept = False
+        """Whether the next period starts with the current quorum (formed where a sync did not commit)."""
         self._synced = False
         self._warned = False
         self._period_started = 0.0
-        """Whether the next period starts with the current quorum (formed where a sync did not commit)."""
         self._pending: list[StepRecord] = []
 
     @classmethod
