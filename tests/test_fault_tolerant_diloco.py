@@ -3,7 +3,8 @@ period run again from the last sync, and a whole-job restart from the commit of 
 the same as a run without it (fast, one group in this process); and group 1 SIGKILLed inside an inner
 period on CPU/Gloo (slow): group 0 keeps its process and waits at the sync, group 1 is restarted by
 its torchrun, starts from the last sync's state taken from group 0, redoes its share of the period on
-the same samples, and every inner step's global batch is trained exactly once.
+the same samples, and every inner step's global batch is trained exactly once; and, with
+``rejoin_timeout_s=1``, group 0 runs the killed period again alone and the restart rejoins later.
 
 Tolerance of the final weights against the fault-free run: atol 1e-6, rtol 1e-5, measured 0 (bitwise
 equal). The runs use plain SGD as the inner optimizer (``FT_INNER=sgd``): it has no state, so the
@@ -203,18 +204,24 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Three launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H``, plain SGD
-    inside: the fault-free run, and two where group 1's worker SIGKILLs itself at the start of inner
-    step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only), with the pseudo-gradients
-    uncompressed and in int8."""
+    """Four launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H``, plain SGD
+    inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start of inner
+    step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only): with the pseudo-gradients
+    uncompressed, in int8, and with ``rejoin_timeout_s=1`` (group 0 does not wait for it)."""
     base = tmp_path_factory.mktemp("ftd_runs")
-    dirs = {name: base / name for name in ("reference", "kill", "kill_int8")}
+    dirs = {name: base / name for name in ("reference", "kill", "kill_int8", "alone")}
     env = {"FT_STRATEGY": "diloco", "FT_H": str(H), "FT_INNER": "sgd", "FT_REJOIN_TIMEOUT": "150"}
     kill = {**env, "FT_FAIL": f"1:{KILL_AT}"}
     launches = {
         "reference": ft.launch(dirs["reference"], steps=STEPS, **env),
         "kill": ft.launch(dirs["kill"], steps=STEPS, **kill),
         "kill_int8": ft.launch(dirs["kill_int8"], steps=STEPS, FT_DILOCO_COMPRESSION="int8", **kill),
+        # group 0 runs the killed period again alone after 1 s, slowed down until the restart is back
+        "alone": ft.launch(
+            dirs["alone"],
+            steps=STEPS,
+            **{**kill, "FT_REJOIN_TIMEOUT": "1", "FT_SLEEP": "0.5", "FT_AWAIT": "1:1"},
+        ),
     }
     try:
         for name, started in launches.items():
@@ -254,3 +261,28 @@ def test_kill_inside_a_period_rejoins_from_the_last_sync_and_nothing_is_lost(
         reference_synced = {r["sync"]: r["crc"] for r in _jsonl(reference / "syncs_0.jsonl")}
         assert all(synced[s] == reference_synced[s] for s in range(1, period + 1))
     ft.check_against_reference(reference, out, n_steps=STEPS, atol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_nobody_back_in_time_runs_the_period_again_and_nothing_is_lost(runs: dict) -> None:
+    """Group 0 waits 1 s at the killed period's sync, then goes back to the last sync and trains the
+    whole period alone (all its slots); the restart rejoins at a later period from group 0's state as
+    of that sync. Every inner step's global batch is still trained exactly once, on the fault-free
+    run's samples, and both groups end on the same weights (not the fault-free run's: a period
+    trained by one group instead of two is another DiLoCo step)."""
+    out, reference = runs["alone"], runs["reference"]
+    period = KILL_AT // H
+    assert [a for a, _ in ft.pids(out, 0)] == [0] and [a for a, _ in ft.pids(out, 1)] == [0, 1]
+    alone = [r["step"] for r in ft.rows(out, 0) if r["participants"] == 1]
+    assert alone[:H] == list(range(period * H, (period + 1) * H)), "group 0 did not run the period alone"
+    again = [r["step"] for r in ft.rows(out, 1) if r["attempt"] == 1]
+    assert again and again[0] % H == 0 and again[0] > period * H and again == list(range(again[0], STEPS))
+    synced = {r["sync"]: r["crc"] for r in _jsonl(out / "syncs_0.jsonl")}
+    starts = [r for r in _jsonl(out / "starts_1.jsonl") if r["attempt"] == 1]
+    assert [(r["sync"], r["crc"]) for r in starts] == [(again[0] // H, synced[again[0] // H])]
+    samples, expected = ft.steps(out), ft.steps(reference)
+    assert sorted(samples) == list(range(STEPS))
+    for step, indices in samples.items():
+        assert len(indices) == 16 == len(set(indices)) and sorted(indices) == sorted(expected[step]), step
+    assert all(torch.equal(a, b) for a, b in zip(ft.weights(out, 0).values(), ft.weights(out, 1).values()))
