@@ -1,0 +1,78 @@
+"""Fit the tiny workload with ``HorovodElastic`` under ``horovodrun`` (elastic, Gloo); log every
+sample each rank trains on, and change the discovery script's host list at given steps.
+
+horovodrun -np 2 --min-np 1 --max-np 2 --network-interface lo \\
+    --host-discovery-script DIR/discover.sh python tests/scripts/hvd_elastic.py --out DIR \\
+    [--hosts-file DIR/hosts --set-hosts 3:2:localhost:1 --set-hosts 8:1:localhost:2]
+
+``--set-hosts STEP:WORLD:LINE``: after optimizer step STEP of a run at world size WORLD, rank 0
+writes LINE to ``--hosts-file`` (what the discovery script prints). Sample lines go to
+``samples.pid<pid>.jsonl`` as tests/scripts/elastic_run.py writes them (every fit attempt is a new
+incarnation). Rank 0 saves its final weights and facts (``rank0.pt``, ``rank0.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from elastic_run import Logged
+from rank_io import save_fitted
+
+from lightning_dist.launch.horovod_elastic import fit_horovod_elastic
+from lightning_dist.strategies.horovod_elastic import HorovodElastic
+from lightning_dist.workload.trainer import quiet_trainer
+
+
+class HostChanges(L.Callback):
+    """Rank 0 rewrites the hosts file after the listed (step, world size) pairs."""
+
+    def __init__(self, path: str, changes: list[tuple[int, int, str]]) -> None:
+        self.path, self.changes = path, changes
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        for step, world, line in self.changes:
+            if trainer.global_rank == 0 and trainer.global_step == step and trainer.world_size == world:
+                with open(self.path, "w") as fh:
+                    fh.write(line + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-steps", type=int, default=12)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--hosts-file", default="")
+    p.add_argument("--set-hosts", action="append", default=[], help="STEP:WORLD:LINE")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    os.makedirs(a.out, exist_ok=True)
+    changes = [(int(s), int(w), line) for s, w, line in (c.split(":", 2) for c in a.set_hosts)]
+    L.seed_everything(7, verbose=False)
+    model = Logged(a.out, -1, -1, a.step_sleep)
+
+    def make_trainer() -> L.Trainer:
+        return quiet_trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=HorovodElastic(commit_every=1, dirpath=os.path.join(a.out, "commits")),
+            max_steps=a.max_steps,
+            limit_val_batches=0,
+            deterministic=True,
+            callbacks=[HostChanges(a.hosts_file, changes)] if changes else [],
+        )
+
+    trainer = fit_horovod_elastic(make_trainer, model)
+    strategy = trainer.strategy
+    assert isinstance(strategy, HorovodElastic) and strategy.elastic_state is not None
+    if trainer.global_rank == 0:
+        save_fitted(
+            a.out, trainer, model, resumed_from=strategy.resumed_from, resets=strategy.elastic_state.resets
+        )
+
+
+if __name__ == "__main__":
+    main()
