@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-__all__ = ["CommitState", "elastic_run", "make_commit_state"]
+__all__ = ["CommitState", "elastic_run", "horovod_failure", "make_commit_state"]
 
 
 class CommitState:
@@ -88,10 +88,43 @@ def make_commit_state() -> CommitState:
     return state
 
 
+def horovod_failure(exc: BaseException) -> Optional[BaseException]:
+    """The ``HorovodInternalError`` behind ``exc`` (itself, a cause or context in its chain), or a
+    new one when only its text names it, or None. A Horovod op's error reaches the waiter wrapped:
+    torch hands an exception raised in a future's callback on as a ``RuntimeError`` holding its
+    text ("Got the following error when running the callback: HorovodInternalError: ...")."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    seen: set[int] = set()
+    link: Optional[BaseException] = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, HorovodInternalError):
+            return link
+        if f"{HorovodInternalError.__name__}:" in str(link):
+            return HorovodInternalError(str(link))
+        link = link.__cause__ or link.__context__
+    return None
+
+
 def elastic_run(fn: Callable[[CommitState], R], state: CommitState) -> R:
     """``fn(state)`` under ``hvd.elastic.run``: called again, on the new set of workers, after a
     worker failure or a host change, until it returns. ``fn`` must not start with a collective
-    (Horovod's rule: a joining worker syncs the state first)."""
+    (Horovod's rule: a joining worker syncs the state first). An error of a failed Horovod op is
+    raised to Horovod's loop as the ``HorovodInternalError`` it catches, whatever wrapped it."""
     hvd = import_horovod()
-    result: R = hvd.elastic.run(fn)(state)
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+
+    def attempt(state: CommitState) -> R:
+        try:
+            return fn(state)
+        except HostsUpdatedInterrupt:
+            raise
+        except Exception as exc:
+            failure = horovod_failure(exc)
+            if failure is None or failure is exc:
+                raise
+            raise failure from exc
+
+    result: R = hvd.elastic.run(attempt)(state)
     return result

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from typing import Any
 
 import lightning as L
@@ -40,12 +41,28 @@ class HostChanges(L.Callback):
                     fh.write(line + "\n")
 
 
+class KillOnce(L.Callback):
+    """Rank ``rank`` SIGKILLs itself after optimizer step ``step``, once per run (a marker file)."""
+
+    def __init__(self, out: str, rank: int, step: int) -> None:
+        self.marker, self.rank, self.step = os.path.join(out, "killed"), rank, step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            if not os.path.exists(self.marker):
+                with open(self.marker, "w") as fh:
+                    fh.write(f"pid {os.getpid()} after step {self.step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--hosts-file", default="")
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--set-hosts", action="append", default=[], help="STEP:WORLD:LINE")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -62,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             max_steps=a.max_steps,
             limit_val_batches=0,
             deterministic=True,
-            callbacks=[HostChanges(a.hosts_file, changes)] if changes else [],
+            callbacks=[HostChanges(a.hosts_file, changes), KillOnce(a.out, a.kill_rank, a.kill_step)],
         )
 
     trainer = fit_horovod_elastic(make_trainer, model)
