@@ -3,10 +3,12 @@ sample each rank trains on, and change the discovery script's host list at given
 
 horovodrun -np 2 --min-np 1 --max-np 2 --network-interface lo \\
     --host-discovery-script DIR/discover.sh python tests/scripts/hvd_elastic.py --out DIR \\
-    [--hosts-file DIR/hosts --set-hosts 3:2:localhost:1 --set-hosts 8:1:localhost:2]
+    [--hosts-file DIR/hosts --set-hosts 3:2:localhost:1 --set-hosts 8:1:localhost:1,127.0.0.1:1]
 
-``--set-hosts STEP:WORLD:LINE``: after optimizer step STEP of a run at world size WORLD, rank 0
-writes LINE to ``--hosts-file`` (what the discovery script prints). Sample lines go to
+``--set-hosts STEP:WORLD:HOSTS``: after the first optimizer step >= STEP at world size WORLD (and
+after the changes listed before it), rank 0 writes HOSTS (``host:slots`` entries, comma-separated) to ``--hosts-file``, one a line: what the
+discovery script prints. ``--kill-rank R --kill-step S``: rank R SIGKILLs itself after its first
+step >= S, once per run. Sample lines go to
 ``samples.pid<pid>.jsonl`` as tests/scripts/elastic_run.py writes them (every fit attempt is a new
 incarnation). Rank 0 saves its final weights and facts (``rank0.pt``, ``rank0.json``).
 """
@@ -29,29 +31,34 @@ from lightning_dist.workload.trainer import quiet_trainer
 
 
 class HostChanges(L.Callback):
-    """Rank 0 rewrites the hosts file after the listed (step, world size) pairs."""
+    """Rank 0 rewrites the hosts file once per listed change, after the first step at or past its
+    step at its world size (one instance for all fit attempts: it remembers what it did)."""
 
     def __init__(self, path: str, changes: list[tuple[int, int, str]]) -> None:
-        self.path, self.changes = path, changes
+        self.path, self.changes, self.done = path, changes, [False] * len(changes)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        for step, world, line in self.changes:
-            if trainer.global_rank == 0 and trainer.global_step == step and trainer.world_size == world:
+        for i, (step, world, line) in enumerate(self.changes):
+            if trainer.global_rank != 0 or self.done[i] or not all(self.done[:i]):
+                continue
+            if trainer.global_step >= step and trainer.world_size == world:
                 with open(self.path, "w") as fh:
-                    fh.write(line + "\n")
+                    fh.write("".join(host + "\n" for host in line.split(",")))
+                self.done[i] = True
 
 
 class KillOnce(L.Callback):
-    """Rank ``rank`` SIGKILLs itself after optimizer step ``step``, once per run (a marker file)."""
+    """Rank ``rank`` SIGKILLs itself after its first optimizer step >= ``step``, once per run (a
+    marker file): in whichever process holds that rank then."""
 
     def __init__(self, out: str, rank: int, step: int) -> None:
         self.marker, self.rank, self.step = os.path.join(out, "killed"), rank, step
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
             if not os.path.exists(self.marker):
                 with open(self.marker, "w") as fh:
-                    fh.write(f"pid {os.getpid()} after step {self.step}")
+                    fh.write(f"pid {os.getpid()} after step {trainer.global_step}")
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -63,13 +70,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hosts-file", default="")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
-    p.add_argument("--set-hosts", action="append", default=[], help="STEP:WORLD:LINE")
+    p.add_argument("--set-hosts", action="append", default=[], help="STEP:WORLD:HOST:SLOTS[,HOST:SLOTS...]")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
     changes = [(int(s), int(w), line) for s, w, line in (c.split(":", 2) for c in a.set_hosts)]
     L.seed_everything(7, verbose=False)
     model = Logged(a.out, -1, -1, a.step_sleep)
+
+    host_changes = HostChanges(a.hosts_file, changes)
 
     def make_trainer() -> L.Trainer:
         return quiet_trainer(
@@ -79,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
             max_steps=a.max_steps,
             limit_val_batches=0,
             deterministic=True,
-            callbacks=[HostChanges(a.hosts_file, changes), KillOnce(a.out, a.kill_rank, a.kill_step)],
+            callbacks=[host_changes, KillOnce(a.out, a.kill_rank, a.kill_step)],
         )
 
     trainer = fit_horovod_elastic(make_trainer, model)

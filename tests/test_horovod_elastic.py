@@ -1,0 +1,136 @@
+"""HorovodElastic under Horovod's elastic engine (``horovodrun --min-np 1 --max-np 2
+--host-discovery-script``, Gloo controller), two CPU workers on this machine as two hosts
+(``localhost`` and ``127.0.0.1``, both local addresses: no ssh). One run loses a host, gets it back,
+then loses a worker to SIGKILL; it reads every sample once, the same samples per step as a fault-free
+run, and ends on the fault-free run's weights."""
+
+from __future__ import annotations
+
+import collections
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SCRIPTS, assert_same_weights, concurrently, load_rank, run_command
+from test_elastic import final_trajectory, sample_log
+
+from lightning_dist.strategies.horovod_elastic import HorovodElastic
+
+hvd = pytest.importorskip("horovod.torch", reason="horovod not built: run scripts/install-horovod.sh")
+
+STEPS, GLOBAL_BATCH = 14, 8
+"""The tiny workload's batch is 4 per rank: 8 samples a step, set at world size 2 (world size 1
+reads them as two micro-batches)."""
+BOTH, ONE = "localhost:1,127.0.0.1:1", "localhost:1"
+REMOVE_AFTER, ADD_AFTER, KILL_AFTER = 2, 5, 8
+"""Rank 0 drops 127.0.0.1 from the discovered hosts after step 2 (at world size 2), puts it back
+after the first step >= 5 at world size 1; rank 1 SIGKILLs itself after its first step >= 8 (before
+that step's commit), at world size 2 again."""
+STEP_SLEEP = 0.5
+"""Seconds each micro-batch waits: Horovod's driver polls the discovery script every second and
+notifies the workers, who see the change at their next commit (every step here)."""
+ATOL = 1e-6
+"""At world size 1 Lightning sums two halved micro-batch gradients, at 2 Horovod averages two rank
+gradients: the same samples in another rounding order (measured: bitwise equal here)."""
+GLOO_TIMEOUT = 120
+"""Horovod's Gloo rendezvous timeout (default 30 s): a reset waits this long for a worker that joins,
+and a new process (torch, Lightning) took over 30 s to start here under load; past it every worker
+aborts (``gloo::IoException``) and the job fails."""
+BUDGET = 160
+"""Seconds for the two horovodrun launches, run at once (about 100 s on 2 loaded cores)."""
+
+
+def horovodrun(out: Path, *args: str, step_sleep: float = 0.0) -> list[str]:
+    """The elastic launch of tests/scripts/hvd_elastic.py into ``out``, both hosts discovered."""
+    out.mkdir(parents=True)
+    (out / "hosts").write_text(BOTH.replace(",", "\n") + "\n")
+    discover = out / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {out / 'hosts'}\n")
+    discover.chmod(discover.stat().st_mode | stat.S_IXUSR)
+    return ["horovodrun", "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
+            "--host-discovery-script", str(discover), sys.executable, str(SCRIPTS / "hvd_elastic.py"),
+            "--out", str(out), "--max-steps", str(STEPS), "--step-sleep", str(step_sleep), *args]  # fmt: skip
+
+
+def launch(cmd: list[str], out: Path) -> str:
+    """Run ``cmd`` (its output kept in ``out``/horovodrun.log); "" when it exited 0, else the
+    exit code and the workers' error lines."""
+    proc = run_command(cmd, BUDGET, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT))
+    (out / "horovodrun.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode == 0:
+        return ""
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "rror" in line or "what()" in line]
+    return f"exit {proc.returncode}\n" + "\n".join(errors[-30:]) + f"\n{proc.stderr[-2000:]}"
+
+
+def worlds(out: Path) -> list[int]:
+    """The world size of each fit attempt that trained a step, in order."""
+    by_attempt = {e["incarnation"]: e["world"] for e in sample_log(out)}
+    return [by_attempt[attempt] for attempt in sorted(by_attempt)]
+
+
+def runs_per_step(out: Path) -> dict[int, int]:
+    """How many fits ran each step (a redone step ran in two)."""
+    incarnations = collections.defaultdict(set)
+    for e in sample_log(out):
+        incarnations[e["step"]].add(e["incarnation"])
+    return {step: len(runs) for step, runs in incarnations.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_host_removed_added_and_worker_killed_keep_the_trajectory(tmp_path: Path) -> None:
+    elastic, reference = tmp_path / "elastic", tmp_path / "fault_free"
+    changes = ["--hosts-file", str(elastic / "hosts"),
+               "--set-hosts", f"{REMOVE_AFTER}:2:{ONE}", "--set-hosts", f"{ADD_AFTER}:1:{BOTH}",
+               "--kill-rank", "1", "--kill-step", str(KILL_AFTER)]  # fmt: skip
+    failed = concurrently({"elastic": lambda: launch(horovodrun(elastic, *changes, step_sleep=STEP_SLEEP), elastic),
+                           "fault_free": lambda: launch(horovodrun(reference), reference)})  # fmt: skip
+    assert failed == {"elastic": "", "fault_free": ""}, failed
+
+    _, facts = load_rank(elastic, 0)
+    assert facts["global_step"] == STEPS
+    assert facts["resets"] == 3, "a removal, an addition, a failure"
+    assert worlds(elastic) == [2, 1, 2, 1], "removed, added, killed: each a new fit attempt"
+    assert worlds(reference) == [2]
+
+    trajectory = final_trajectory(elastic)
+    assert sorted(trajectory) == list(range(STEPS))
+    used = [s for step in trajectory.values() for s in step]
+    assert len(used) == STEPS * GLOBAL_BATCH and len(set(used)) == len(used), "a sample lost or used twice"
+    assert trajectory == final_trajectory(reference), "step s read the same samples on every world size"
+    killed_after = int((elastic / "killed").read_text().split()[-1])
+    redone = sorted(step for step, n in runs_per_step(elastic).items() if n > 1)
+    assert redone == [killed_after - 1], "a host change redoes nothing; the kill redoes its uncommitted step"
+
+    weights, _ = load_rank(elastic, 0)
+    assert_same_weights(weights, load_rank(reference, 0)[0], atol=ATOL)
+    assert facts["world_size"] == 1 and torch.isfinite(torch.cat([w.flatten() for w in weights.values()])).all()
+
+
+def test_lr_scale_auto_is_one_and_unknown_options_are_named() -> None:
+    assert HorovodElastic()._auto_lr_scale() == 1.0
+    assert HorovodElastic().commit_every == 1
+    with pytest.raises(ValueError, match="HorovodElastic got unknown option.*commit_every"):
+        HorovodElastic(commit_evry=2)
+
+
+def test_wrapped_horovod_error_is_found() -> None:
+    from horovod.common.exceptions import HorovodInternalError
+
+    from lightning_dist.collectives.horovod_elastic import horovod_failure
+
+    text = "Got the following error when running the callback: HorovodInternalError: Horovod has been shut down"
+    found = horovod_failure(RuntimeError(text))
+    assert isinstance(found, HorovodInternalError) and "shut down" in str(found)
+    original = HorovodInternalError("broken pipe")
+    try:
+        try:
+            raise original
+        except HorovodInternalError as exc:
+            raise ValueError("collective failed") from exc
+    except ValueError as wrapped:
+        assert horovod_failure(wrapped) is original
+    assert horovod_failure(RuntimeError("CUDA out of memory")) is None
