@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+    from lightning_dist.strategies.horovod_elastic import HorovodElastic
     from lightning_dist.strategies.sharded import Sharded
     from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
@@ -36,6 +37,7 @@ __all__ = [
     "FaultTolerant",
     "Horovod",
     "HorovodAdasum",
+    "HorovodElastic",
     "Sharded",
     "ShardedDiLoCo",
     "collectives",

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import SCRIPTS, assert_same_weights, concurrently, load_rank, run_command
 from test_elastic import final_trajectory, sample_log
 
@@ -107,7 +106,7 @@ def test_host_removed_added_and_worker_killed_keep_the_trajectory(tmp_path: Path
 
     weights, _ = load_rank(elastic, 0)
     assert_same_weights(weights, load_rank(reference, 0)[0], atol=ATOL)
-    assert facts["world_size"] == 1 and torch.isfinite(torch.cat([w.flatten() for w in weights.values()])).all()
+    assert facts["world_size"] == 1, "the killed worker's host stays blacklisted (no cooldown)"
 
 
 def test_lr_scale_auto_is_one_and_unknown_options_are_named() -> None:
@@ -122,7 +121,9 @@ def test_wrapped_horovod_error_is_found() -> None:
 
     from lightning_dist.collectives.horovod_elastic import horovod_failure
 
-    text = "Got the following error when running the callback: HorovodInternalError: Horovod has been shut down"
+    text = (
+        "Got the following error when running the callback: HorovodInternalError: Horovod has been shut down"
+    )
     found = horovod_failure(RuntimeError(text))
     assert isinstance(found, HorovodInternalError) and "shut down" in str(found)
     original = HorovodInternalError("broken pipe")

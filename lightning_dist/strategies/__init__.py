@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.horovod import Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum
+    from lightning_dist.strategies.horovod_elastic import HorovodElastic
     from lightning_dist.strategies.sharded import Sharded
     from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
@@ -28,6 +29,7 @@ _CLASSES = {
     "FaultTolerant": "fault_tolerant",
     "Horovod": "horovod",
     "HorovodAdasum": "horovod_adasum",
+    "HorovodElastic": "horovod_elastic",
     "Sharded": "sharded",
     "ShardedDiLoCo": "sharded_diloco",
 }
@@ -43,6 +45,7 @@ __all__ = [
     "FaultTolerant",
     "Horovod",
     "HorovodAdasum",
+    "HorovodElastic",
     "Sharded",
     "ShardedDiLoCo",
 ]

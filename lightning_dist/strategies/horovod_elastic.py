@@ -74,7 +74,8 @@ class HorovodElastic(ElasticMixin, RankStateMixin, Horovod):
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, (*ELASTIC_OPTIONS, *HOROVOD_OPTIONS))
         self._init_elastic(options_from(ElasticOptions, locals()))  # checks them
-        super().__init__(op, compression, lr_scale, accelerator, checkpoint_io, precision_plugin)
+        # Horovod's, named: ElasticMixin's type-checking base is DDP (its bases define no __init__)
+        Horovod.__init__(self, op, compression, lr_scale, accelerator, checkpoint_io, precision_plugin)
         self.elastic_state: Optional[CommitState] = None
         """Horovod's elastic state this fit commits to (set by ``fit_horovod_elastic``); None: the
         commits go to ``dirpath`` only, as ``Elastic``'s do."""

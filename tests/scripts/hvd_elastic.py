@@ -55,11 +55,11 @@ class KillOnce(L.Callback):
         self.marker, self.rank, self.step = os.path.join(out, "killed"), rank, step
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_rank == self.rank and trainer.global_step >= self.step:
-            if not os.path.exists(self.marker):
-                with open(self.marker, "w") as fh:
-                    fh.write(f"pid {os.getpid()} after step {trainer.global_step}")
-                os.kill(os.getpid(), signal.SIGKILL)
+        due = trainer.global_rank == self.rank and trainer.global_step >= self.step
+        if due and not os.path.exists(self.marker):
+            with open(self.marker, "w") as fh:
+                fh.write(f"pid {os.getpid()} after step {trainer.global_step}")
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv: list[str] | None = None) -> None:
