@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from typing_extensions import override
 
 from lightning_dist.collectives.horovod_elastic import CommitState
 from lightning_dist.compat import _PATH
-from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.strategies.elastic import ELASTIC_OPTIONS, ElasticMixin
 from lightning_dist.strategies.horovod import Horovod
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS
-from lightning_dist.strategies.options import ElasticOptions, options_from, reject_unknown_options
+from lightning_dist.strategies.options import ElasticOptions, reject_unknown_options
 from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 
 logger = logging.getLogger(__name__)
@@ -46,36 +44,23 @@ class HorovodElastic(ElasticMixin, RankStateMixin, Horovod):
     """``Horovod`` with elastic commits and data positions (see the module docstring).
 
     Args:
-        commit_every, keep, dirpath, seed, on_indivisible, scale_lr, background_commits: as
-            ``Elastic``'s. ``commit_every`` defaults to 1: a commit stays in memory (Horovod's
-            elastic state) and Horovod only notices host changes at a commit.
-        op, compression, lr_scale: as ``Horovod``'s, but ``lr_scale="auto"`` is 1.0 (the global
-            batch does not change with the world size).
+        commit_every: optimizer steps between commits; 1 by default: a commit stays in memory
+            (Horovod's elastic state), and Horovod notices host changes only at a commit.
+        **options: ``Elastic``'s ``keep``, ``dirpath``, ``seed``, ``on_indivisible``, ``scale_lr``,
+            ``background_commits``; ``Horovod``'s ``op``, ``compression``, ``lr_scale`` and launch
+            options (``lr_scale="auto"`` is 1.0 here: the global batch does not change with the
+            world size).
     """
 
     strategy_name = "ld_horovod_elastic"
 
-    def __init__(
-        self,
-        commit_every: int = 1,
-        keep: int = 3,
-        dirpath: Optional[Union[str, os.PathLike[str]]] = None,
-        seed: int = 0,
-        on_indivisible: str = "keep_per_rank",
-        scale_lr: bool = True,
-        background_commits: bool = True,
-        op: str = "average",
-        compression: Union[None, str, Compressor] = None,
-        lr_scale: Union[str, float] = "auto",
-        accelerator: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Any] = None,
-        **unknown: Any,
-    ) -> None:
+    def __init__(self, commit_every: int = 1, **options: Any) -> None:
+        unknown = {k: v for k, v in options.items() if k not in (*ELASTIC_OPTIONS, *HOROVOD_OPTIONS)}
         reject_unknown_options(type(self).__name__, unknown, (*ELASTIC_OPTIONS, *HOROVOD_OPTIONS))
-        self._init_elastic(options_from(ElasticOptions, locals()))  # checks them
+        elastic = {k: options.pop(k) for k in ELASTIC_OPTIONS if k in options}
+        self._init_elastic(ElasticOptions(**{**elastic, "commit_every": commit_every}))  # checks them
         # Horovod's, named: ElasticMixin's type-checking base is DDP (its bases define no __init__)
-        Horovod.__init__(self, op, compression, lr_scale, accelerator, checkpoint_io, precision_plugin)
+        Horovod.__init__(self, **options)
         self.elastic_state: Optional[CommitState] = None
         """Horovod's elastic state this fit commits to (set by ``fit_horovod_elastic``); None: the
         commits go to ``dirpath`` only, as ``Elastic``'s do."""
