@@ -2,7 +2,7 @@
 --host-discovery-script``, Gloo controller), two CPU workers on this machine as two hosts
 (``localhost`` and ``127.0.0.1``, both local addresses: no ssh). One run loses a host, gets it back,
 then loses a worker to SIGKILL; it reads every sample once, the same samples per step as a fault-free
-run, and ends on the fault-free run's weights."""
+run (one process, the same global batch), and ends on that run's weights."""
 
 from __future__ import annotations
 
@@ -32,16 +32,16 @@ STEP_SLEEP = 0.5
 notifies the workers, who see the change at their next commit (every step here)."""
 ATOL = 1e-6
 """At world size 1 Lightning sums two halved micro-batch gradients, at 2 Horovod averages two rank
-gradients: the same samples in another rounding order (measured: bitwise equal here)."""
+gradients: the same samples in another rounding order (measured: bitwise equal on this workload)."""
 GLOO_TIMEOUT = 120
 """Horovod's Gloo rendezvous timeout (default 30 s): a reset waits this long for a worker that joins,
 and a new process (torch, Lightning) took over 30 s to start here under load; past it every worker
 aborts (``gloo::IoException``) and the job fails."""
-BUDGET = 160
-"""Seconds for the two horovodrun launches, run at once (about 100 s on 2 loaded cores)."""
+BUDGET = 240
+"""Seconds for the elastic launch (and the reference beside it): 125-150 s on 2 cores at load 13-14."""
 
 
-def horovodrun(out: Path, *args: str, step_sleep: float = 0.0) -> list[str]:
+def horovodrun(out: Path, *args: str) -> list[str]:
     """The elastic launch of tests/scripts/hvd_elastic.py into ``out``, both hosts discovered."""
     out.mkdir(parents=True)
     (out / "hosts").write_text(BOTH.replace(",", "\n") + "\n")
@@ -50,7 +50,15 @@ def horovodrun(out: Path, *args: str, step_sleep: float = 0.0) -> list[str]:
     discover.chmod(discover.stat().st_mode | stat.S_IXUSR)
     return ["horovodrun", "-np", "2", "--min-np", "1", "--max-np", "2", "--network-interface", "lo",
             "--host-discovery-script", str(discover), sys.executable, str(SCRIPTS / "hvd_elastic.py"),
-            "--out", str(out), "--max-steps", str(STEPS), "--step-sleep", str(step_sleep), *args]  # fmt: skip
+            "--out", str(out), "--max-steps", str(STEPS), "--step-sleep", str(STEP_SLEEP), *args]  # fmt: skip
+
+
+def fault_free(out: Path) -> list[str]:
+    """The reference: one process, no elastic engine, reading each step's global batch of 8 as two
+    micro-batches of 4 (what every rank count does with it: world size 1 is one of the run's)."""
+    out.mkdir(parents=True)
+    return [sys.executable, str(SCRIPTS / "hvd_elastic.py"), "--plain", "--accumulate", "2",
+            "--out", str(out), "--max-steps", str(STEPS)]  # fmt: skip
 
 
 def launch(cmd: list[str], out: Path) -> str:
@@ -85,15 +93,15 @@ def test_host_removed_added_and_worker_killed_keep_the_trajectory(tmp_path: Path
     changes = ["--hosts-file", str(elastic / "hosts"),
                "--set-hosts", f"{REMOVE_AFTER}:2:{ONE}", "--set-hosts", f"{ADD_AFTER}:1:{BOTH}",
                "--kill-rank", "1", "--kill-step", str(KILL_AFTER)]  # fmt: skip
-    failed = concurrently({"elastic": lambda: launch(horovodrun(elastic, *changes, step_sleep=STEP_SLEEP), elastic),
-                           "fault_free": lambda: launch(horovodrun(reference), reference)})  # fmt: skip
+    failed = concurrently({"elastic": lambda: launch(horovodrun(elastic, *changes), elastic),
+                           "fault_free": lambda: launch(fault_free(reference), reference)})  # fmt: skip
     assert failed == {"elastic": "", "fault_free": ""}, failed
 
     _, facts = load_rank(elastic, 0)
     assert facts["global_step"] == STEPS
     assert facts["resets"] == 3, "a removal, an addition, a failure"
     assert worlds(elastic) == [2, 1, 2, 1], "removed, added, killed: each a new fit attempt"
-    assert worlds(reference) == [2]
+    assert worlds(reference) == [1]
 
     trajectory = final_trajectory(elastic)
     assert sorted(trajectory) == list(range(STEPS))

@@ -10,7 +10,9 @@ after the changes listed before it), rank 0 writes HOSTS (``host:slots`` entries
 discovery script prints. ``--kill-rank R --kill-step S``: rank R SIGKILLs itself after its first
 step >= S, once per run. Sample lines go to
 ``samples.pid<pid>.jsonl`` as tests/scripts/elastic_run.py writes them (every fit attempt is a new
-incarnation). Rank 0 saves its final weights and facts (``rank0.pt``, ``rank0.json``).
+incarnation). Rank 0 saves its final weights and facts (``rank0.pt``, ``rank0.json``). ``--plain``
+fits once without the elastic engine (``python tests/scripts/hvd_elastic.py --plain --accumulate 2``:
+one process reading the global batch of two ranks, a fault-free reference).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-steps", type=int, default=12)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--hosts-file", default="")
+    p.add_argument("--plain", action="store_true", help="one fit, no elastic engine (a reference run)")
+    p.add_argument("--accumulate", type=int, default=1, help="the Trainer's accumulate_grad_batches")
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=-1)
     p.add_argument("--set-hosts", action="append", default=[], help="STEP:WORLD:HOST:SLOTS[,HOST:SLOTS...]")
@@ -88,16 +92,20 @@ def main(argv: list[str] | None = None) -> None:
             max_steps=a.max_steps,
             limit_val_batches=0,
             deterministic=True,
+            accumulate_grad_batches=a.accumulate,
             callbacks=[host_changes, KillOnce(a.out, a.kill_rank, a.kill_step)],
         )
 
-    trainer = fit_horovod_elastic(make_trainer, model)
+    if a.plain:
+        trainer = make_trainer()
+        trainer.fit(model)
+    else:
+        trainer = fit_horovod_elastic(make_trainer, model)
     strategy = trainer.strategy
-    assert isinstance(strategy, HorovodElastic) and strategy.elastic_state is not None
+    assert isinstance(strategy, HorovodElastic)
+    resets = 0 if strategy.elastic_state is None else strategy.elastic_state.resets
     if trainer.global_rank == 0:
-        save_fitted(
-            a.out, trainer, model, resumed_from=strategy.resumed_from, resets=strategy.elastic_state.resets
-        )
+        save_fitted(a.out, trainer, model, resumed_from=strategy.resumed_from, resets=resets)
 
 
 if __name__ == "__main__":
