@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -33,20 +34,22 @@ from lightning_dist.workload.trainer import quiet_trainer
 
 
 class HostChanges(L.Callback):
-    """Rank 0 rewrites the hosts file once per listed change, after the first step at or past its
-    step at its world size (one instance for all fit attempts: it remembers what it did)."""
+    """Rank 0 rewrites the hosts file once per listed change, in order, after the first step at or
+    past its step at its world size. How many are done is kept beside the hosts file: the process
+    that is rank 0 may change (the removed host may be rank 0's)."""
 
     def __init__(self, path: str, changes: list[tuple[int, int, str]]) -> None:
-        self.path, self.changes, self.done = path, changes, [False] * len(changes)
+        self.path, self.changes, self.done = path, changes, Path(path + ".done")
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        for i, (step, world, line) in enumerate(self.changes):
-            if trainer.global_rank != 0 or self.done[i] or not all(self.done[:i]):
-                continue
-            if trainer.global_step >= step and trainer.world_size == world:
-                with open(self.path, "w") as fh:
-                    fh.write("".join(host + "\n" for host in line.split(",")))
-                self.done[i] = True
+        done = int(self.done.read_text()) if self.done.exists() else 0
+        if trainer.global_rank != 0 or done == len(self.changes):
+            return
+        step, world, line = self.changes[done]
+        if trainer.global_step >= step and trainer.world_size == world:
+            with open(self.path, "w") as fh:
+                fh.write("".join(host + "\n" for host in line.split(",")))
+            self.done.write_text(str(done + 1))
 
 
 class KillOnce(L.Callback):
@@ -82,8 +85,6 @@ def main(argv: list[str] | None = None) -> None:
     L.seed_everything(7, verbose=False)
     model = Logged(a.out, -1, -1, a.step_sleep)
 
-    host_changes = HostChanges(a.hosts_file, changes)
-
     def make_trainer() -> L.Trainer:
         return quiet_trainer(
             accelerator="cpu",
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             limit_val_batches=0,
             deterministic=True,
             accumulate_grad_batches=a.accumulate,
-            callbacks=[host_changes, KillOnce(a.out, a.kill_rank, a.kill_step)],
+            callbacks=[HostChanges(a.hosts_file, changes), KillOnce(a.out, a.kill_rank, a.kill_step)],
         )
 
     if a.plain:
