@@ -26,6 +26,7 @@ import copy
 import logging
 from typing import Any, Optional
 
+import lightning as L
 from typing_extensions import override
 
 from lightning_dist.collectives.horovod_elastic import CommitState
@@ -81,7 +82,7 @@ class HorovodElastic(ElasticMixin, RankStateMixin, Horovod):
         return Commit(step=step, state=copy.deepcopy(held), path=store.path(step))
 
     @override
-    def commit(self, trainer: Any) -> None:
+    def commit(self, trainer: L.Trainer) -> None:
         super().commit(trainer)
         if self.elastic_state is not None:
             self.elastic_state.commit()  # raises HostsUpdatedInterrupt when the hosts changed
