@@ -13,43 +13,30 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_dist.fork_safety import trace_cuda_init
+from lightning_dist.strategies import STRATEGIES
 from lightning_dist.strategies.names import register_on_import
 
 if TYPE_CHECKING:
-    from lightning_dist import collectives
-    from lightning_dist.strategies.compressed import Compressed
-    from lightning_dist.strategies.ddp import DDP
-    from lightning_dist.strategies.diloco import DiLoCo
-    from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo
-    from lightning_dist.strategies.fault_tolerant import FaultTolerant
-    from lightning_dist.strategies.horovod import Horovod
-    from lightning_dist.strategies.horovod_adasum import HorovodAdasum
-    from lightning_dist.strategies.horovod_elastic import HorovodElastic
-    from lightning_dist.strategies.sharded import Sharded
-    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
+    from lightning_dist import collectives as collectives
+    from lightning_dist.strategies.compressed import Compressed as Compressed
+    from lightning_dist.strategies.ddp import DDP as DDP
+    from lightning_dist.strategies.diloco import DiLoCo as DiLoCo
+    from lightning_dist.strategies.elastic import Elastic as Elastic
+    from lightning_dist.strategies.elastic import ElasticDiLoCo as ElasticDiLoCo
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant as FaultTolerant
+    from lightning_dist.strategies.horovod import Horovod as Horovod
+    from lightning_dist.strategies.horovod_adasum import HorovodAdasum as HorovodAdasum
+    from lightning_dist.strategies.horovod_elastic import HorovodElastic as HorovodElastic
+    from lightning_dist.strategies.sharded import Sharded as Sharded
+    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo as ShardedDiLoCo
 
-__all__ = [
-    "DDP",
-    "Compressed",
-    "DiLoCo",
-    "Elastic",
-    "ElasticDiLoCo",
-    "FaultTolerant",
-    "Horovod",
-    "HorovodAdasum",
-    "HorovodElastic",
-    "Sharded",
-    "ShardedDiLoCo",
-    "collectives",
-]
+__all__ = [*STRATEGIES, "collectives"]
 __version__ = "0.2.0"
-
-_STRATEGIES = tuple(name for name in __all__ if name != "collectives")
 
 
 def __getattr__(name: str) -> Any:
     """``lightning_dist.DDP`` (any strategy) and ``lightning_dist.<subpackage>``, imported on first use."""
-    if name in _STRATEGIES:
+    if name in STRATEGIES:
         return getattr(importlib.import_module("lightning_dist.strategies"), name)
     if not name.startswith("__"):
         try:

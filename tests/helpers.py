@@ -189,3 +189,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def bad_integers(name: str, minimum: int = 1, owner: str = "") -> list[tuple[dict[str, Any], str]]:
+    """``(kwargs, message)`` rows for an integer option given one below ``minimum``, an integral
+    float and a bool: each refused with the message naming the argument and the bound."""
+    prefix = f"{owner}: " if owner else ""
+    return [
+        ({name: value}, f"{prefix}{name}={value!r} must be an integer >= {minimum}")
+        for value in (minimum - 1, float(minimum + 1), True)
+    ]

@@ -124,8 +124,7 @@ class _Exited:
     def wait(self, timeout: float | None = None) -> int:
         return 0
 
-    def poll(self) -> int:
-        return 0
+    poll = wait
 
 
 class _FakeCluster:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import references
 import torch
-from helpers import SCRIPTS, assert_same_weights, max_abs_diff, run_script
+from helpers import SCRIPTS, assert_same_weights, bad_integers, max_abs_diff, run_script
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist import DiLoCo
@@ -30,9 +30,7 @@ LR, WEIGHT_DECAY = 3e-3, 0.01  # the script's AdamW
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"inner_steps": 0}, "inner_steps=0 must be an integer >= 1"),
-        ({"inner_steps": 2.5}, "inner_steps=2.5 must be an integer >= 1"),
-        ({"inner_steps": True}, "inner_steps=True must be an integer >= 1"),
+        *bad_integers("inner_steps"),
         ({"outer_lr": 0}, "outer_lr=0 must be a number > 0"),
         ({"outer_lr": float("nan")}, "outer_lr=nan must be a number > 0"),
         ({"outer_momentum": -0.1}, r"outer_momentum=-0.1 must be in \[0, 1\]"),

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import bad_integers
 
 from lightning_dist.elastic import BackgroundWriter, commits
 from lightning_dist.elastic.commits import (
@@ -395,9 +396,7 @@ def test_save_refuses_bad_keys_cycles_and_non_dicts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"keep": 0}, "CommitStore: keep=0 must be an integer >= 1"),
-        ({"keep": 2.0}, "keep=2.0 must be an integer >= 1"),
-        ({"keep": True}, "keep=True must be an integer >= 1"),
+        *bad_integers("keep", owner="CommitStore"),
         ({"dirpath": 3}, "dirpath=3 must be a non-empty str or os.PathLike path"),
         ({"dirpath": ""}, "dirpath='' must be a non-empty str or os.PathLike path"),
         ({"dirpath": None}, "dirpath=None must be a non-empty str or os.PathLike path"),

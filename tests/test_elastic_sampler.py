@@ -237,27 +237,14 @@ def test_a_dataloader_reads_the_micro_batches() -> None:
 # -- steps across world sizes, restarts and epochs -------------------------------------------------
 
 
-@given(
-    per_rank=st.integers(1, 12),
-    base_world=st.integers(1, 4),
-    micro_batch=st.integers(1, 8),
-    extra=st.integers(0, 60),
-    world_sizes=st.lists(st.integers(1, 6), min_size=1, max_size=4),
-    seed=st.integers(0, 3),
-    epoch=st.integers(0, 3),
-    drop_last=st.booleans(),
-)
+@given(st.data())
 @settings(max_examples=150, deadline=None)
-def test_step_s_reads_the_same_samples_on_every_divisor_world_size(
-    per_rank: int,
-    base_world: int,
-    micro_batch: int,
-    extra: int,
-    world_sizes: list[int],
-    seed: int,
-    epoch: int,
-    drop_last: bool,
-) -> None:
+def test_step_s_reads_the_same_samples_on_every_divisor_world_size(data: st.DataObject) -> None:
+    per_rank, base_world, micro_batch = (data.draw(st.integers(1, top)) for top in (12, 4, 8))
+    extra = data.draw(st.integers(0, 60))
+    world_sizes = data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))
+    seed, epoch = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    drop_last = data.draw(st.booleans())
     g = base_world * per_rank
     plan = quiet_plan(
         dataset_len=g + extra,

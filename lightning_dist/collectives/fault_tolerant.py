@@ -191,8 +191,12 @@ class ManagedBackend(Backend):
 
     ``all_reduce`` is the Manager's fault-tolerant all-reduce: a peer's failure is recorded (the
     step is then not committed) instead of raised, and a group not participating contributes zeros.
-    Rank and world size are this group's place in the quorum. The other operations run on the
-    Manager's current process group (a failure raises)."""
+    ``all_gather`` and ``all_to_all`` (the compressors' other rounds) run on the Manager's current
+    process group under the same contract: a failure is reported to the Manager (``wrap_future``)
+    instead of raised, and once the step has failed they return zeros without communicating; what
+    they return in a failed step is meaningless, and the step is not committed. Rank and world size
+    are this group's place in the quorum. The other operations run on the current process group (a
+    failure raises)."""
 
     name = "torchft"
 
@@ -244,9 +248,22 @@ class ManagedBackend(Backend):
     def broadcast(self, tensor: Tensor, src: int) -> Future:
         return self._current().broadcast(tensor, src)
 
+    def _managed(self, start: Callable[[], Future], default: Any) -> Future:
+        """``start()``'s result, or ``default`` once the step has failed (reported to the Manager,
+        as ``Manager.allreduce`` does, so the step is not committed)."""
+        if self.manager.errored():
+            return completed_future(default)
+        try:
+            fut = start()
+        except Exception as exc:  # noqa: BLE001  (the Manager records it; the step is not committed)
+            self.manager.report_error(exc)
+            return completed_future(default)
+        return completed_future(self.manager.wrap_future(fut, default).wait())
+
     @override
     def all_gather(self, tensor: Tensor) -> Future:
-        return self._current().all_gather(tensor)
+        default = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        return self._managed(lambda: self._current().all_gather(tensor), default)
 
     @override
     def reduce_scatter(self, output: Tensor, inputs: list[Tensor], op: str) -> Future:
@@ -254,7 +271,9 @@ class ManagedBackend(Backend):
 
     @override
     def all_to_all(self, outputs: list[Tensor], inputs: list[Tensor]) -> Future:
-        return self._current().all_to_all(outputs, inputs)
+        return self._managed(
+            lambda: self._current().all_to_all(outputs, inputs), [o.zero_() for o in outputs]
+        )
 
     @override
     def send(self, tensor: Tensor, dst: int, tag: int = 0) -> Future:
@@ -272,6 +291,21 @@ class ManagedBackend(Backend):
     def close(self) -> None:
         if self._torch is not None:
             self._torch[1].close()
+
+
+class _QuorumRecorder:
+    """torchft's ``ManagerClient``, keeping the result of the last quorum (who sends state to whom)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 class FaultTolerantTransport:
@@ -330,6 +364,8 @@ class FaultTolerantTransport:
                 checkpoint_transport=self.checkpoint_transport,
                 quorum_retries=quorum_retries,
             )
+        self._quorums = _QuorumRecorder(self.manager._client)
+        self.manager._client = self._quorums
         self.communicator = Communicator(ManagedBackend(self.manager))
 
     def _store_address(self, host: str) -> tuple[str, int]:
@@ -373,6 +409,13 @@ class FaultTolerantTransport:
     def participant_rank(self) -> Optional[int]:
         rank = self.manager.participating_rank()
         return None if rank is None else int(rank)
+
+    @property
+    def recovering_peers(self) -> int:
+        """Groups that fetch this group's state in the current quorum (torchft's
+        ``recover_dst_replica_ranks``); read in the quorum thread while the state is sent, and after."""
+        quorum = self._quorums.last
+        return 0 if quorum is None else len(quorum.recover_dst_replica_ranks)
 
     @property
     def errored(self) -> bool:

@@ -8,16 +8,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_dist.strategies.compressed import Compressed
-    from lightning_dist.strategies.ddp import DDP
-    from lightning_dist.strategies.diloco import DiLoCo
-    from lightning_dist.strategies.elastic import Elastic, ElasticDiLoCo, ElasticMixin
-    from lightning_dist.strategies.fault_tolerant import FaultTolerant
-    from lightning_dist.strategies.horovod import Horovod
-    from lightning_dist.strategies.horovod_adasum import HorovodAdasum
-    from lightning_dist.strategies.horovod_elastic import HorovodElastic
-    from lightning_dist.strategies.sharded import Sharded
-    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
+    from lightning_dist.strategies.compressed import Compressed as Compressed
+    from lightning_dist.strategies.ddp import DDP as DDP
+    from lightning_dist.strategies.diloco import DiLoCo as DiLoCo
+    from lightning_dist.strategies.elastic import (
+        Elastic as Elastic,
+    )
+    from lightning_dist.strategies.elastic import (
+        ElasticDiLoCo as ElasticDiLoCo,
+    )
+    from lightning_dist.strategies.elastic import (
+        ElasticMixin as ElasticMixin,
+    )
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant as FaultTolerant
+    from lightning_dist.strategies.horovod import Horovod as Horovod
+    from lightning_dist.strategies.horovod_adasum import HorovodAdasum as HorovodAdasum
+    from lightning_dist.strategies.horovod_elastic import HorovodElastic as HorovodElastic
+    from lightning_dist.strategies.sharded import Sharded as Sharded
+    from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo as ShardedDiLoCo
 
 _CLASSES = {
     "DDP": "ddp",
@@ -35,20 +43,9 @@ _CLASSES = {
 }
 """Each class and the module of this package that defines it."""
 
-__all__ = [
-    "DDP",
-    "Compressed",
-    "DiLoCo",
-    "Elastic",
-    "ElasticDiLoCo",
-    "ElasticMixin",
-    "FaultTolerant",
-    "Horovod",
-    "HorovodAdasum",
-    "HorovodElastic",
-    "Sharded",
-    "ShardedDiLoCo",
-]
+__all__ = [*_CLASSES]
+STRATEGIES = tuple(name for name in _CLASSES if name != "ElasticMixin")
+"""The strategy classes (``lightning_dist.<name>``); ``ElasticMixin`` is for subclassing only."""
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,7 @@ and one resumed at another world size merges the saved ranks' states (with a war
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
 from torch import Tensor
@@ -38,13 +38,20 @@ COMPRESSOR_STATES = RankStates(CHECKPOINT_KEY, "Compressed", "the checkpoint has
 ``compressor_checkpoint_state()``]}``."""
 
 
-def build_compressor(compressor: Union[str, Compressor], options: Mapping[str, Any]) -> Compressor:
-    """``compressor`` itself, or the named one built with ``options``; ValueError naming what is wrong."""
-    strategy_options = ", ".join(Compressed._accepted_options()[1:])
+def build_compressor(
+    compressor: Union[str, Compressor],
+    options: Mapping[str, Any],
+    *,
+    owner: str = "Compressed",
+    accepted: Optional[Sequence[str]] = None,
+) -> Compressor:
+    """``compressor`` itself, or the named one built with ``options``; ValueError naming what is wrong
+    (``owner``: the strategy; ``accepted``: its own options, default ``Compressed``'s)."""
+    strategy_options = ", ".join(Compressed._accepted_options()[1:] if accepted is None else accepted)
     if isinstance(compressor, Compressor):
         if options:
             raise ValueError(
-                f"Compressed got unknown option(s) {', '.join(sorted(options))}; a Compressor instance takes "
+                f"{owner} got unknown option(s) {', '.join(sorted(options))}; a Compressor instance takes "
                 f"its options itself; strategy options: {strategy_options}"
             )
         return compressor

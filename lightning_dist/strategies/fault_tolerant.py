@@ -24,6 +24,9 @@ the samples of its slots itself (``dataset[i]`` and the loader's ``collate_fn``,
 after the quorum, and Lightning's loop iterates slot tokens (``Slot``): a hook that reads batches
 before ``training_step`` (``on_before_batch_transfer``, ``on_train_batch_start``) sees a ``Slot``.
 One process per replica group (``--nproc-per-node=1``).
+
+``compressor=`` sends the gradients through one of the pack's compressors (``Compressed``'s names
+and objects); its state follows the groups across failures (``fault_tolerant_compression``).
 """
 
 from __future__ import annotations
@@ -53,10 +56,13 @@ from lightning_dist.collectives.fault_tolerant import (
     require_torchft,
 )
 from lightning_dist.compat import disable_distributed_sampler, set_global_step
+from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
+from lightning_dist.strategies.compressed import build_compressor
+from lightning_dist.strategies.fault_tolerant_compression import CompressedGradients
 from lightning_dist.strategies.names import register_class
-from lightning_dist.strategies.options import FaultTolerantOptions, options_from
+from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
 
 logger = logging.getLogger(__name__)
 OWNER = "FaultTolerant"
@@ -149,6 +155,12 @@ class FaultTolerant(SingleDeviceStrategy):
             from a peer.
         seed: seed of the per-epoch sample order (``ElasticSampler``).
         device: this group's device (default: ``cuda:$LOCAL_RANK`` when CUDA is available, else CPU).
+        compressor: None (the gradients summed in fp32), or a compressor as ``Compressed`` takes it:
+            a name (``"fp16"``, ``"bf16"``, ``"int8"``, ``"powersgd"``, ``"topk"``, ...) or a
+            ``lightning_dist.compression.Compressor`` instance. A recovering group receives the
+            compressor's state from its peer with the rest; error-feedback residuals are split
+            between them (``fault_tolerant_compression``).
+        **compressor_options: the named compressor's options (``rank=2``).
     """
 
     strategy_name = "ld_fault_tolerant"
@@ -173,8 +185,21 @@ class FaultTolerant(SingleDeviceStrategy):
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
+        compressor: Optional[Union[str, Compressor]] = None,
+        **compressor_options: Any,
     ) -> None:
         self.options = options_from(FaultTolerantOptions, locals())
+        accepted = [*option_names(FaultTolerantOptions), "device", "compressor"]
+        if compressor is None and compressor_options:
+            raise ValueError(
+                f"{OWNER} got unknown option(s) {', '.join(sorted(compressor_options))}; compressor options "
+                f"need compressor= (a name or a Compressor); accepted: {', '.join(accepted)}"
+            )
+        self.compression: Optional[CompressedGradients] = None
+        """The compressor and its state across failures (None: no compression)."""
+        if compressor is not None:
+            built = build_compressor(compressor, compressor_options, owner=OWNER, accepted=accepted)
+            self.compression = CompressedGradients(built)
         require_torchft(OWNER)
         if device is None:
             cuda = torch.cuda.is_available()
@@ -267,6 +292,7 @@ class FaultTolerant(SingleDeviceStrategy):
         if commit is not None:
             # the floor: a group that finds live peers at a later step still recovers from them
             self._load_state_dict(commit.state["state"])
+            self._compressor_from_commit()
             self.transport.resume(commit.step)
             self.resumed_from = commit.step
             logger.info("%s: resumed from the commit of step %d (%s)", OWNER, commit.step, commit.path)
@@ -298,11 +324,15 @@ class FaultTolerant(SingleDeviceStrategy):
         schedulers = (
             [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
         )
-        return {
+        state = {
             "model": dict(self._model_state()),
             "optimizers": [opt.state_dict() for opt in self.optimizers],
             "schedulers": schedulers,
         }
+        if self.compression is not None:  # split with the groups this one sends it to (if any)
+            peers = 0 if self.transport is None else self.transport.recovering_peers
+            state["compressor"] = self.compression.state(1 + peers)
+        return state
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         assert self.lightning_module is not None
@@ -312,9 +342,15 @@ class FaultTolerant(SingleDeviceStrategy):
         trainer = self.lightning_module.trainer
         for config, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(sched_state)
+        if self.compression is not None and "compressor" in state:
+            self.compression.receive(state["compressor"])  # applied at the step's start
         logger.info(
             "%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1
         )
+
+    def _compressor_from_commit(self) -> None:
+        if self.compression is not None:
+            self.compression.from_commit()
 
     def write_commit(self) -> None:
         """Commit the state of the last committed step, when this group is the quorum's participant 0
@@ -410,6 +446,8 @@ class FaultTolerant(SingleDeviceStrategy):
         self._skipping = self._catch_up()
         self._schedulers = [c.scheduler.state_dict() for c in self._fit_trainer().lr_scheduler_configs]
         self._hyper = [[_hyperparameters(g) for g in opt.param_groups] for opt in self.optimizers]
+        if self.compression is not None:
+            self.compression.begin_step(self.transport.step, self.transport.recovering_peers)
         if self._skipping:
             self._rank = None  # this step's quorum was formed at the old step: it is not run
         trainer = self._fit_trainer()
@@ -437,6 +475,7 @@ class FaultTolerant(SingleDeviceStrategy):
             commit.step,
         )
         self._load_state_dict(commit.state["state"])
+        self._compressor_from_commit()
         self.transport.resume(commit.step)
         self.resumed_from = commit.step
         return True
@@ -491,10 +530,16 @@ class FaultTolerant(SingleDeviceStrategy):
 
     # -- the step ---------------------------------------------------------------------------------
     def _reduce_gradients(self) -> None:
-        """Sum every parameter's gradient over the quorum's groups (one flat all-reduce)."""
+        """Sum every parameter's gradient over the quorum's groups (one flat all-reduce, or the
+        compressor's exchange)."""
         assert self.transport is not None and self.lightning_module is not None
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self.compression is not None:
+            summed = self.compression.reduce(self.transport.communicator, grads)
+            for p, g in zip(params, summed, strict=True):
+                p.grad = g.view_as(p)
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.transport.communicator.all_reduce(flat, "sum")
         offset = 0
@@ -516,7 +561,10 @@ class FaultTolerant(SingleDeviceStrategy):
             return loss
         self._reduce_gradients()
         step = self.transport.step
-        if not self.transport.commit():
+        committed = self.transport.commit()
+        if self.compression is not None:
+            self.compression.end_step(committed)
+        if not committed:
             self.uncommitted_steps += 1
             optimizer.zero_grad(set_to_none=True)
             logger.warning("%s: step %d not committed (a peer failed); the quorum runs it again", OWNER, step)

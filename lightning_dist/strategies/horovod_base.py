@@ -33,6 +33,15 @@ HOROVOD_OPTIONS = tuple(option_names(HorovodOptions))
 """The keyword arguments ``Horovod`` and ``HorovodAdasum`` accept (named in the unknown-option error)."""
 
 
+def _from_backend(name: str) -> Any:
+    """A read-only property overriding Lightning's rank property with the ``HorovodBackend``'s ``name``."""
+
+    def value(self: HorovodBase) -> int:
+        return getattr(self.backend, name)  # type: ignore[no-any-return]
+
+    return property(value, doc=f"Horovod's {name}.")
+
+
 class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
     """The Horovod strategies' common part (not registered, not meant to be built directly).
 
@@ -68,25 +77,11 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
             self._backend = HorovodBackend()
         return self._backend
 
-    @property
-    @override
-    def global_rank(self) -> int:
-        return self.backend.rank
-
-    @property
-    @override
-    def local_rank(self) -> int:
-        return self.backend.local_rank
-
-    @property
-    @override
-    def node_rank(self) -> int:
-        return self.backend.node_rank
-
-    @property
-    @override
-    def world_size(self) -> int:
-        return self.backend.world_size
+    # Lightning's rank properties, read from Horovod (``HorovodBackend``)
+    global_rank = _from_backend("rank")
+    local_rank = _from_backend("local_rank")
+    node_rank = _from_backend("node_rank")
+    world_size = _from_backend("world_size")
 
     @property
     def is_distributed(self) -> bool:

@@ -36,6 +36,8 @@ HOROVOD_ELASTIC = f"{_PACKAGE}.horovod_elastic.HorovodElastic"
 SHARDED = f"{_PACKAGE}.sharded.Sharded"
 SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
 FAULT_TOLERANT = f"{_PACKAGE}.fault_tolerant.FaultTolerant"
+FAULT_TOLERANT_COMPRESSORS = ("fp16", "bf16", "int8", "powersgd")
+"""The compressors with a registered ``ld_fault_tolerant_<compressor>`` name."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,16 @@ def _names() -> list[Name]:
         description = f"DiLoCo over FSDP2 shards with {wire} pseudo-gradients on the wire"
         names.append(
             Name(f"ld_sharded_diloco_{wire}", SHARDED_DILOCO, description, init_params={"compression": wire})
+        )
+    for compressor in FAULT_TOLERANT_COMPRESSORS:
+        description = f"live recovery on torchft, {compressor} gradient compression"
+        names.append(
+            Name(
+                f"ld_fault_tolerant_{compressor}",
+                FAULT_TOLERANT,
+                description,
+                init_params={"compressor": compressor},
+            )
         )
     return names
 

@@ -5,9 +5,13 @@ group's worker SIGKILLs itself at the start of that step, on its first attempt o
 ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training alone sleeps FT_SLEEP
 per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
-itself while it applies its peer's state), FT_COMMITS (the commits' directory). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_COMPRESSOR and
+FT_COMPRESSOR_OPTIONS (``FaultTolerant(compressor=..., **options)``, the options as JSON),
+FT_DROP_RESIDUAL (``group:step``: that group's error-feedback residuals are zeroed at that step's
+start, what a group killed there loses). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
-step) and ``final_<g>.pt`` (the weights at the end).
+step), ``final_<g>.pt`` (the weights at the end) and, with a compressor, ``handoffs_<g>_<attempt>.pt``
+(the compressor state it sent to or received from a peer, ``Handoff`` as dicts).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import lightning as L
@@ -24,6 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import FaultTolerant
+from lightning_dist.strategies.fault_tolerant_compression import without_residuals
 
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])
@@ -32,6 +38,7 @@ FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FA
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
 PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 """Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
+DROP = os.environ.get("FT_DROP_RESIDUAL", "")
 AWAIT = os.environ.get("FT_AWAIT", "")
 """``group:attempt``: a group training alone sleeps FT_SLEEP per slot until that attempt has rejoined."""
 
@@ -83,6 +90,10 @@ class Record(L.Callback):
             and strategy.owns(batch.index % strategy.slots_per_step)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
+        if f"{GROUP}:{trainer.global_step}" == DROP and batch.index % strategy.slots_per_step == 0:
+            assert strategy.compression is not None
+            compressor = strategy.compression.compressor
+            compressor.load_state_dict(without_residuals(compressor.state_dict()))
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
@@ -121,6 +132,8 @@ def main() -> None:
         timeout_s=float(os.environ.get("FT_TIMEOUT", "10")),
         commit_every=int(os.environ.get("FT_COMMIT_EVERY", "10")),
         dirpath=os.environ.get("FT_COMMITS") or None,
+        compressor=os.environ.get("FT_COMPRESSOR") or None,
+        **json.loads(os.environ.get("FT_COMPRESSOR_OPTIONS", "{}")),
     )
     if os.environ.get("FT_KILL_IN_RECOVERY") == str(GROUP) and ATTEMPT == 1:
         # the restarted worker dies again while it applies the state its peer sent
@@ -139,6 +152,9 @@ def main() -> None:
     module = Regression()
     trainer.fit(module, DataLoader(data, batch_size=4))
     torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"final_{GROUP}.pt")
+    if strategy.compression is not None:
+        handoffs = [asdict(h) for h in strategy.compression.handoffs]
+        torch.save(handoffs, OUT / f"handoffs_{GROUP}_{ATTEMPT}.pt")
     print(
         f"group {GROUP} done at step {trainer.global_step}: {strategy.uncommitted_steps} uncommitted",
         flush=True,
