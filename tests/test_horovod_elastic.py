@@ -39,7 +39,7 @@ GLOO_TIMEOUT = 120
 and a new process (torch, Lightning) took over 30 s to start here under load; past it every worker
 aborts (``gloo::IoException``) and the job fails."""
 BUDGET = 240
-"""Seconds for one launch: the elastic one took 50-150 s on 2 cores at load 8-14."""
+"""Seconds for one launch: the elastic one took 35-41 s on 2 cores at load 3, 50-150 s at load 8-14."""
 
 
 def horovodrun(out: Path, *args: str) -> list[str]:
