@@ -15,6 +15,8 @@ Launchers that start the processes themselves (the script reads their environmen
         examples/quickstart.py --strategy ld_elastic
     srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 python examples/quickstart.py
     horovodrun -np 8 python examples/quickstart.py --strategy ld_horovod_adasum
+    horovodrun -np 8 --min-np 4 --max-np 16 --host-discovery-script ./discover.sh \
+        --network-interface eth0 python examples/quickstart.py --strategy ld_horovod_elastic
     mpirun -np 8 python examples/quickstart.py --strategy ld_horovod
 
 `lightning-dist strategies` lists every name; `lightning-dist slurm` writes an sbatch script.
@@ -127,23 +129,34 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         logger = L.pytorch.loggers.TensorBoardLogger(
             args.root_dir
         )  # pip install tensorboard (or tensorboardX)
-    trainer = L.Trainer(
-        accelerator="gpu" if gpu else "cpu",
-        devices=devices,
-        num_nodes=num_nodes,
-        strategy=args.strategy,
-        precision=args.precision,
-        max_epochs=args.max_epochs,
-        logger=logger,  # type: ignore[arg-type]
-        callbacks=[CommMonitor()],
-        default_root_dir=args.root_dir,
-        enable_checkpointing=False,
-        log_every_n_steps=10,
-    )
+
+    def make_trainer() -> L.Trainer:
+        return L.Trainer(
+            accelerator="gpu" if gpu else "cpu",
+            devices=devices,
+            num_nodes=num_nodes,
+            strategy=args.strategy,
+            precision=args.precision,
+            max_epochs=args.max_epochs,
+            logger=logger,  # type: ignore[arg-type]
+            callbacks=[CommMonitor()],
+            default_root_dir=args.root_dir,
+            enable_checkpointing=False,
+            log_every_n_steps=10,
+        )
+
+    # ld_horovod_elastic: Horovod's elastic engine refits (a new Trainer) after every host change or failure
+    elastic = args.strategy == "ld_horovod_elastic"
+    trainer = None if elastic else make_trainer()
     model = Classifier(lr=args.lr)
     train = DataLoader(make_data(args.samples, seed=args.seed), batch_size=args.batch_size, shuffle=True)
     val = DataLoader(make_data(args.samples // 4, seed=args.seed + 1), batch_size=args.batch_size)
-    trainer.fit(model, train, val)
+    if trainer is None:
+        from lightning_dist.launch.horovod_elastic import fit_horovod_elastic
+
+        trainer = fit_horovod_elastic(make_trainer, model, train_dataloaders=train, val_dataloaders=val)
+    else:
+        trainer.fit(model, train, val)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo as FaultTolerantDiLoCo
     from lightning_dist.strategies.horovod import Horovod as Horovod
     from lightning_dist.strategies.horovod_adasum import HorovodAdasum as HorovodAdasum
+    from lightning_dist.strategies.horovod_elastic import HorovodElastic as HorovodElastic
     from lightning_dist.strategies.sharded import Sharded as Sharded
     from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo as ShardedDiLoCo
 

@@ -50,7 +50,7 @@ from lightning_dist.compat import (
     set_checkpoint_loader_state,
 )
 from lightning_dist.compression import Compressor
-from lightning_dist.elastic.commits import CommitStore, capture_rng_state, restore_rng_state
+from lightning_dist.elastic.commits import Commit, CommitStore, capture_rng_state, restore_rng_state
 from lightning_dist.elastic.rendezvous import attempt_store
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
@@ -201,7 +201,7 @@ class ElasticMixin(_MixinBase):
         dirpath = self.dirpath or os.path.join(trainer.default_root_dir, "elastic_commits")
         self.store = CommitStore(dirpath, keep=self.keep)
         self.writer = BackgroundWriter(self.store) if self.background_commits else None
-        commit = self.store.load_latest()
+        commit = self._newest_commit(self.store)
         step = None if commit is None else commit.step
         steps = self._transport().all_gather(torch.tensor([-1 if step is None else step]))
         if len({int(s) for s in steps}) != 1:
@@ -240,6 +240,10 @@ class ElasticMixin(_MixinBase):
         restore_on_fit(trainer, checkpoint)  # Lightning restores it as a fit(ckpt_path=...) file
         self.resumed_from = commit.step
         logger.debug("Elastic: resuming from the commit of step %d (%s)", commit.step, commit.path)
+
+    def _newest_commit(self, store: CommitStore) -> Optional[Commit]:
+        """The commit this run resumes from (``None``: a fresh run): the newest valid one in ``store``."""
+        return store.load_latest()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -353,7 +357,24 @@ class ElasticMixin(_MixinBase):
     def _write_commit(self, checkpoint: dict[str, Any], rng: list[Any]) -> None:
         """On rank 0: the commit of the state after the current optimizer step, written (in the
         background with ``background_commits``) with the data position and every rank's ``rng``."""
-        assert self.store is not None and self.sampler is not None and self.plan is not None
+        self._store_commit(self._commit_payload(checkpoint, rng))
+
+    def _store_commit(self, payload: dict[str, Any]) -> None:
+        """On rank 0: write the commit ``payload`` of the current step (in the background with
+        ``background_commits``)."""
+        assert self.store is not None
+        step = self._trainer().global_step
+        if self.writer is not None:
+            self.writer.submit(step, payload)
+            logger.debug("Elastic: committing step %d in the background", step)
+        else:
+            path = self.store.save(step, payload)
+            logger.debug("Elastic: committed step %d to %s", step, path)
+
+    def _commit_payload(self, checkpoint: dict[str, Any], rng: list[Any]) -> dict[str, Any]:
+        """``checkpoint`` (Lightning's, edited in place) made a commit: the data position, the plan
+        and every rank's ``rng`` added, what is not needed to resume left out."""
+        assert self.sampler is not None and self.plan is not None
         trainer = self._trainer()
         checkpoint.pop("hyper_parameters", None)  # not needed to resume; may hold arbitrary objects
         checkpoint.pop("hparams_name", None)
@@ -370,12 +391,7 @@ class ElasticMixin(_MixinBase):
             "world_size": self.world_size,
             "rng": rng,
         }
-        if self.writer is not None:
-            self.writer.submit(trainer.global_step, checkpoint)
-            logger.debug("Elastic: committing step %d in the background", trainer.global_step)
-        else:
-            path = self.store.save(trainer.global_step, checkpoint)
-            logger.debug("Elastic: committed step %d to %s", trainer.global_step, path)
+        return checkpoint
 
     @override
     def teardown(self) -> None:

@@ -32,6 +32,7 @@ ELASTIC = f"{_PACKAGE}.elastic.Elastic"
 ELASTIC_DILOCO = f"{_PACKAGE}.elastic.ElasticDiLoCo"
 HOROVOD = f"{_PACKAGE}.horovod.Horovod"
 HOROVOD_ADASUM = f"{_PACKAGE}.horovod_adasum.HorovodAdasum"
+HOROVOD_ELASTIC = f"{_PACKAGE}.horovod_elastic.HorovodElastic"
 SHARDED = f"{_PACKAGE}.sharded.Sharded"
 SHARDED_DILOCO = f"{_PACKAGE}.sharded_diloco.ShardedDiLoCo"
 FAULT_TOLERANT = f"{_PACKAGE}.fault_tolerant.FaultTolerant"
@@ -132,6 +133,13 @@ def _names() -> list[Name]:
             HOROVOD_ADASUM,
             "Horovod with Adasum of the optimizer updates (MPI controller)",
             "horovod_adasum",
+        )
+    )
+    names.append(
+        Name(
+            "ld_horovod_elastic",
+            HOROVOD_ELASTIC,
+            "Horovod under horovodrun's elastic engine (Gloo): commits and exactly-once data across resets",
         )
     )
     names.append(
