@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader
 
 from lightning_dist import compat
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 class _Started(L.Callback):
@@ -63,16 +64,7 @@ class _RestoringStrategy(SingleDeviceStrategy):
 
 
 def _trainer(max_steps: int, **kwargs: Any) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        **kwargs,
-    )
+    return quiet_trainer(accelerator="cpu", max_steps=max_steps, limit_val_batches=0, **kwargs)
 
 
 def test_fit_restores_the_checkpoint_handed_over_and_counts_batches(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ import torch
 pytest.importorskip("torchft", reason="FaultTolerantDiLoCo needs torchft: pip install 'lightning-dist[ft]'")
 
 from lightning_dist.launch.fault_tolerant import Lighthouse  # noqa: E402
+from lightning_dist.workload.trainer import quiet_trainer  # noqa: E402
 
 STEPS, H, KILL_AT = 20, 5, 7
 """Inner steps, inner steps per period, and the inner step at whose start group 1 dies (period 1)."""
@@ -152,15 +153,8 @@ def _fit_one_group(
             dirpath=commits,
         )
         module = Module()
-        trainer = L.Trainer(
-            accelerator="cpu",
-            strategy=strategy,
-            max_steps=max_steps,
-            default_root_dir=root,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+        trainer = quiet_trainer(
+            accelerator="cpu", strategy=strategy, max_steps=max_steps, default_root_dir=root
         )
         trainer.fit(module, DataLoader(data, batch_size=4))
     return strategy, {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -565,6 +565,12 @@ class FaultTolerant(SingleDeviceStrategy):
         if self._skipping:  # caught up from a commit at this step's start: nothing to commit
             optimizer.zero_grad(set_to_none=True)
             return loss
+        return self._step(optimizer, loss, model, **kwargs)
+
+    def _step(self, optimizer: Any, loss: Any, model: Any, **kwargs: Any) -> Any:
+        """After the step's backward pass: the gradients summed over the quorum, the commit, and the
+        optimizer step once it is committed."""
+        assert self.transport is not None
         self._reduce_gradients()
         step = self.transport.step
         committed = self.transport.commit()

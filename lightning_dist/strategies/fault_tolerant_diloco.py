@@ -47,8 +47,7 @@ import copy
 import logging
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -57,7 +56,6 @@ from typing_extensions import override
 
 from lightning_dist.collectives.fault_tolerant import state_checksum
 from lightning_dist.compat import set_global_step
-from lightning_dist.compression import Compressor
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.diloco import (
     _by_dtype,
@@ -73,7 +71,6 @@ from lightning_dist.strategies.options import (
     FaultTolerantDiLoCoOptions,
     FaultTolerantOptions,
     option_names,
-    options_from,
     reject_unknown_options,
 )
 
@@ -104,34 +101,25 @@ class FaultTolerantDiLoCo(FaultTolerant):
     """DiLoCo over live-recovering replica groups (module docstring).
 
     Args:
-        inner_steps, outer_lr, outer_momentum, nesterov, compression, sync_buffers: ``DiLoCo``'s
-            (``compression``: how the pseudo-gradients cross the wire: None, "none", "fp16", "bf16",
+        inner_steps: ``DiLoCo``'s; its other options (``outer_lr``, ``outer_momentum``, ``nesterov``,
+            ``compression``, ``sync_buffers``) go in ``**options`` (``compression``: how the pseudo-gradients cross the wire: None, "none", "fp16", "bf16",
             "int8"; int8's all-to-all and all-gather run on the quorum's process group, outside the
             Manager's all-reduce: an error there also makes the sync not commit).
         rejoin_timeout_s: how long the groups of a sync that did not commit wait for the period's
             groups to be back in the quorum before they run the period again among themselves.
-        **options: ``FaultTolerant``'s (``replica_groups``, ``global_batch``: per inner step,
+        **options: those and ``FaultTolerant``'s (``replica_groups``, ``global_batch``: per inner step,
             ``timeout_s``, ``quorum_timeout_s``, ``commit_every``: in syncs, ...).
     """
 
     strategy_name = "ld_fault_tolerant_diloco"
 
-    def __init__(
-        self,
-        inner_steps: int = 500,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        compression: Union[None, str, Compressor] = None,
-        sync_buffers: bool = True,
-        rejoin_timeout_s: float = 60.0,
-        **options: Any,
-    ) -> None:
-        self.diloco = options_from(DiLoCoOptions, locals())
-        self.recovery = options_from(FaultTolerantDiLoCoOptions, locals())
-        unknown = {k: v for k, v in options.items() if k not in FAULT_TOLERANT_ARGUMENTS}
-        reject_unknown_options(OWNER, unknown, self._accepted_options())
-        self.compressor = build_diloco_compressor(compression)
+    def __init__(self, inner_steps: int = 500, rejoin_timeout_s: float = 60.0, **options: Any) -> None:
+        accepted = self._accepted_options()
+        reject_unknown_options(OWNER, {k: v for k, v in options.items() if k not in accepted}, accepted)
+        diloco = {name: options.pop(name) for name in option_names(DiLoCoOptions) if name in options}
+        self.diloco = DiLoCoOptions(inner_steps=inner_steps, **diloco)  # checks them
+        self.recovery = FaultTolerantDiLoCoOptions(rejoin_timeout_s=rejoin_timeout_s)
+        self.compressor = build_diloco_compressor(self.diloco.compression)
         super().__init__(**options)
         self.outer: Optional[OuterSGD] = None
         self.inner_step = 0
@@ -249,16 +237,9 @@ class FaultTolerantDiLoCo(FaultTolerant):
             self._loaded = None
 
     @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
-        if self.transport is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        loss = closure()  # the inner step's last slot: forward and backward
+    def _step(self, optimizer: Any, loss: Any, model: Any, **kwargs: Any) -> Any:
+        """An inner step on this group's own slots (no communication); the sync after the last."""
         self._stepped = True
-        if self._skipping:
-            optimizer.zero_grad(set_to_none=True)
-            return loss
         result: Any = loss
         if self._own:
             self._scale_gradients(self.slots_per_step / self._own)  # the mean over this group's samples
