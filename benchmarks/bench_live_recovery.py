@@ -37,6 +37,8 @@ from typing import Any
 
 from machine_info import machine, markdown_table  # benchmarks/ is on sys.path when a benchmark runs
 
+STARTED = time.time()
+"""When this process started running Python code (before torch, Lightning and torchft are imported)."""
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -66,9 +68,20 @@ def worker(args: argparse.Namespace) -> None:
     group = int(os.environ.get("REPLICA_GROUP_ID", os.environ.get("RANK", "0")))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rows: list[dict[str, Any]] = []
+    marks: dict[str, float] = {"started": STARTED, "imported": time.time()}
 
     class Clock(L.Callback):
+        def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+            marks.setdefault("setup", time.time())
+
+        def on_fit_start(self, trainer: L.Trainer, *rest: Any) -> None:
+            marks.setdefault("fit_start", time.time())
+
+        def on_before_backward(self, trainer: L.Trainer, *rest: Any) -> None:
+            marks.setdefault("first_forward", time.time())  # after the first quorum and the heal
+
         def on_train_batch_start(self, trainer: L.Trainer, *rest: Any) -> None:
+            marks.setdefault("train_start", time.time())
             if args.kill and attempt == 0 and group == 1 and trainer.global_step == args.kill_step:
                 (args.out / "killed_at").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -102,7 +115,7 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(TinyCausalLM(config))
     uncommitted = getattr(strategy, "uncommitted_steps", 0)
     with open(args.out / f"steps_{group}_{attempt}.json", "w") as fh:
-        json.dump({"rows": rows, "uncommitted": uncommitted}, fh)
+        json.dump({"rows": rows, "uncommitted": uncommitted, "marks": marks}, fh)
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -165,6 +178,28 @@ def mean_step(rows: list[dict[str, Any]], warmup: int) -> float:
     return statistics.fmean(gaps)
 
 
+REJOIN_PARTS = [
+    ("started", "torchrun notices the death, starts the worker (its Python is running)"),
+    ("imported", "imports (torch, Lightning, torchft, the pack)"),
+    ("setup", "Trainer and model built, fit starts"),
+    ("fit_start", "strategy setup: torchft Manager, servers, commit store"),
+    ("train_start", "loop and data set up, first step starts"),
+    ("first_forward", "quorum and heal from the peer (to the first backward)"),
+]
+
+
+def rejoin_breakdown(killed_at: float, marks: dict[str, float], back: float) -> list[tuple[str, str, str]]:
+    """Where the seconds from the kill to the restarted group's first step with its peer went."""
+    rows, last = [], killed_at
+    for key, what in REJOIN_PARTS:
+        if key in marks:
+            rows.append((what, f"{marks[key] - last:.2f} s", ""))
+            last = marks[key]
+    rows.append(("first step with the peer committed", f"{back - last:.2f} s", ""))
+    rows.append(("kill -> rejoined, total", f"{back - killed_at:.2f} s", "< 5 s"))
+    return rows
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -203,6 +238,7 @@ def main(argv: list[str]) -> int:
         ("kill -> killed group commits a step with its peer again", f"{back - killed_at:.1f} s", "< 5 s"),
     ]  # fmt: skip
     print(markdown_table(rows, args.table))
+    print(markdown_table(rejoin_breakdown(killed_at, _result(kill, 1, 1).get("marks", {}), back)))
     return 0
 
 

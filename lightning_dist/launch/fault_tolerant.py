@@ -5,7 +5,9 @@
 Each group is ``torchrun --standalone --nproc-per-node=1 --max-restarts=R`` with
 ``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` set: a group whose worker dies is restarted by its own
 torchrun and rejoins the others, which keep training. The Lighthouse listens on ``--bind`` (default
-``127.0.0.1:0``, this machine only). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
+``127.0.0.1:0``, this machine only). Each torchrun runs under a standby (``warm_start.py``) that
+has torch, Lightning and torchft imported and forks the worker torchrun (re)starts, so a restart
+skips the imports (``--cold``: none). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
 <head>:29510 --min_replicas 1``) and one torchrun per node with ``REPLICA_GROUP_ID=$SLURM_NODEID``
 (docs/live-recovery.md).
 """
@@ -27,6 +29,10 @@ from lightning_dist.collectives.fault_tolerant import (
     REPLICA_GROUP_ENV,
     require_torchft,
 )
+from lightning_dist.launch.warm_start import WORKER
+
+MONITOR_INTERVAL_S = 0.05
+"""How often each torchrun checks its worker (torchrun's default is 0.1 s): half of a restart's notice."""
 
 
 class Lighthouse:
@@ -85,19 +91,27 @@ class Lighthouse:
 
 
 def group_command(
-    script: Sequence[str], *, max_restarts: int = 3, torchrun: Optional[str] = None
+    script: Sequence[str], *, max_restarts: int = 3, torchrun: Optional[str] = None, warm: bool = False
 ) -> list[str]:
-    """The torchrun command of one replica group running ``script`` (``[path, *args]``)."""
+    """The torchrun command of one replica group running ``script`` (``[path, *args]``); ``warm``:
+    under a standby that has torch, Lightning and torchft imported and forks each (re)started
+    worker (``warm_start.py``), torchrun's entrypoint being its stand-in ``warm_worker.py``."""
     check_int("max_restarts", max_restarts, 0)
     runner = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    return [
+    command = [
         *runner,
         "--standalone",
         "--nnodes=1",
         "--nproc-per-node=1",
         f"--max-restarts={max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        *([str(WORKER)] if warm else []),
         *script,
     ]
+    if not warm:
+        return command
+    standby = [sys.executable, "-m", "lightning_dist.launch.warm_start"]
+    return [*standby, *(["--script", script[0]] if script and script[0] != "-m" else []), "--", *command]
 
 
 def group_env(
@@ -117,14 +131,17 @@ def start_groups(
     max_restarts: int = 3,
     host: str = "127.0.0.1",
     env: Optional[dict[str, str]] = None,
+    warm: bool = True,
     **popen: Any,
 ) -> list[subprocess.Popen[Any]]:
     """Start ``groups`` torchruns (replica groups 0..groups-1) of ``script``; the caller waits for
-    them and ends them (by PID) if it stops early."""
+    them and ends them (by PID) if it stops early. ``warm`` (default): each under its standby
+    (``group_command``), so a restarted worker skips the imports; a restart then takes torchrun's
+    notice, a fork, the Trainer's setup and the heal."""
     check_int("groups", groups, 1)
     return [
         subprocess.Popen(
-            group_command(script, max_restarts=max_restarts),
+            group_command(script, max_restarts=max_restarts, warm=warm),
             env=group_env(g, lighthouse, host, env),
             start_new_session=True,
             **popen,
@@ -155,6 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--bind", default="127.0.0.1:0", help="the Lighthouse's listen address")
     parser.add_argument("--join-timeout-ms", type=int, default=1000)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    parser.add_argument(
+        "--cold", action="store_true", help="no standby: torchrun starts each worker in a fresh Python"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py [args]")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -171,7 +191,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ) as lighthouse:
         print(f"lighthouse: {lighthouse.address}", flush=True)
         procs = start_groups(
-            script, args.groups, lighthouse.address, max_restarts=args.max_restarts, host=host
+            script,
+            args.groups,
+            lighthouse.address,
+            max_restarts=args.max_restarts,
+            host=host,
+            warm=not args.cold,
         )
         try:
             codes = [proc.wait() for proc in procs]
