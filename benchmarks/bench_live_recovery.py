@@ -24,6 +24,7 @@ Prints the machine, the commands and a markdown table; writes it to ``--table`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +49,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per fit")
     p.add_argument("--warmup", type=int, default=5, help="first steps left out of the means")
     p.add_argument("--kill-step", type=int, default=10, help="group 1 is killed at the start of this step")
-    p.add_argument("--table", type=Path, default=None, help="also write the markdown table here")
+    p.add_argument("--table", type=Path, default=None, help="also write the markdown tables here")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved no-fault rounds (FT, Elastic) x N")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="2: group g and Elastic's rank g on emulated node g (root; network namespaces)",
+    )
+    p.add_argument("--rate-mbit", type=float, default=None, help="with --nodes 2: cap the link (Mbit/s)")
+    p.add_argument("--cold", action="store_true", help="restart groups in a fresh Python (no standby)")
     p.add_argument("--worker", choices=["elastic", "ft"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
@@ -102,10 +114,11 @@ def worker(args: argparse.Namespace) -> None:
         devices = 1
     else:
         strategy = Elastic(commit_every=args.steps + 1, dirpath=args.out / "commits")
-        devices = 2
+        devices = 2 // args.nodes
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=args.nodes if args.worker == "elastic" else 1,
         strategy=strategy,
         max_steps=args.steps,
         limit_val_batches=0,
@@ -125,36 +138,108 @@ def _env() -> dict[str, str]:
     return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
+        "RUST_LOG": "warn",  # the Lighthouse's per-quorum log lines
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
 
 
 def _script(args: argparse.Namespace, mode: str, out: Path, kill: bool = False) -> list[str]:
     cmd = [str(Path(__file__).resolve()), "--worker", mode, "--out", str(out), "--steps", str(args.steps)]
-    return cmd + ["--kill-step", str(args.kill_step)] + (["--kill"] if kill else [])
-
-
-def run_elastic(args: argparse.Namespace, out: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "--max-restarts=0", *_script(args, "elastic", out)]  # fmt: skip
-    print("$ torchrun --standalone --nproc-per-node=2 " + " ".join(cmd[5:]), flush=True)
-    subprocess.run(
-        cmd, env=_env(), cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    return (
+        cmd + ["--kill-step", str(args.kill_step), "--nodes", str(args.nodes)] + (["--kill"] if kill else [])
     )
 
 
-def run_ft(args: argparse.Namespace, out: Path, kill: bool) -> None:
-    from lightning_dist.launch.fault_tolerant import Lighthouse, start_groups, stop_groups
+class OneBox:
+    """Both groups (and both Elastic ranks) on this machine."""
 
-    script = _script(args, "ft", out, kill)
-    print("$ python -m lightning_dist.launch.fault_tolerant --groups 2 -- " + " ".join(script), flush=True)
-    with Lighthouse(heartbeat_timeout_ms=1000) as lighthouse:
-        procs = start_groups(
-            script, 2, lighthouse.address, max_restarts=1, env=_env(),
+    where = "this machine"
+
+    def elastic(self, script: list[str]) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "--max-restarts=0", *script]  # fmt: skip
+        subprocess.run(
+            cmd, env=_env(), cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    @contextlib.contextmanager
+    def lighthouse(self) -> Iterator[str]:
+        from lightning_dist.launch.fault_tolerant import Lighthouse
+
+        with Lighthouse(heartbeat_timeout_ms=1000) as lighthouse:
+            yield lighthouse.address
+
+    def groups(self, script: list[str], lighthouse: str, warm: bool) -> list[subprocess.Popen[Any]]:
+        from lightning_dist.launch.fault_tolerant import start_groups
+
+        return start_groups(
+            script, 2, lighthouse, max_restarts=1, env=_env(), warm=warm,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
+
+
+class TwoNodes(OneBox):
+    """Group g (Elastic's rank g) on emulated node g (``EmulatedCluster``: network namespaces, a
+    veth link, uncapped unless ``--rate-mbit``); the Lighthouse on node 0."""
+
+    def __init__(self, cluster: Any) -> None:
+        self.cluster = cluster
+        self.where = f"2 emulated nodes ({cluster!r})"
+
+    def elastic(self, script: list[str]) -> None:
+        def argv(node: Any) -> list[str]:
+            return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                    f"--node-rank={node.rank}", f"--master-addr={node.master_addr}",
+                    f"--master-port={self.cluster.master_port}", "--max-restarts=0", *script]  # fmt: skip
+
+        results = self.cluster.run_each(argv, timeout=1800, env=_env())
+        if any(r.returncode for r in results):
+            raise SystemExit(f"bench_live_recovery: Elastic failed on the nodes: {results[0].stderr[-3000:]}")
+
+    @contextlib.contextmanager
+    def lighthouse(self) -> Iterator[str]:
+        node = self.cluster.nodes[0]
+        bind = f"{node.address}:{LIGHTHOUSE_PORT}"
+        proc = self.cluster.popen(
+            0, [str(Path(sys.executable).with_name("torchft_lighthouse")), "--bind", bind, "--min_replicas", "1",
+                "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
+            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
         try:
-            codes = [p.wait(timeout=900) for p in procs]
+            yield f"http://{bind}"
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    def groups(self, script: list[str], lighthouse: str, warm: bool) -> list[subprocess.Popen[Any]]:
+        from lightning_dist.launch.fault_tolerant import group_command, group_env
+
+        return [
+            self.cluster.popen(
+                node.rank,
+                group_command(script, max_restarts=1, warm=warm),
+                env=group_env(node.rank, lighthouse, node.address, _env()),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            for node in self.cluster.nodes
+        ]
+
+
+LIGHTHOUSE_PORT = 29510
+
+
+def run_elastic(args: argparse.Namespace, place: OneBox, out: Path) -> None:
+    place.elastic(_script(args, "elastic", out))
+
+
+def run_ft(args: argparse.Namespace, place: OneBox, out: Path, kill: bool) -> None:
+    from lightning_dist.launch.fault_tolerant import stop_groups
+
+    with place.lighthouse() as lighthouse:
+        procs = place.groups(_script(args, "ft", out, kill), lighthouse, warm=not args.cold)
+        try:
+            codes = [p.wait(timeout=1800) for p in procs]
         finally:
             stop_groups(procs)
     if any(codes):
@@ -176,6 +261,21 @@ def mean_step(rows: list[dict[str, Any]], warmup: int) -> float:
         b["t"] - a["t"] for a, b in zip(rows, rows[1:]) if a["step"] >= warmup and b["step"] == a["step"] + 1
     ]
     return statistics.fmean(gaps)
+
+
+def overhead_rounds(args: argparse.Namespace, place: OneBox, tmp: Path) -> list[tuple[float, float]]:
+    """(FaultTolerant, Elastic) mean step of each round, the two run back to back in every round
+    (interleaved: FT, Elastic, FT, Elastic, ...), so a change of load hits both alike."""
+    pairs = []
+    for r in range(args.rounds):
+        ft_out, elastic_out = tmp / f"ft{r}", tmp / f"elastic{r}"
+        run_ft(args, place, ft_out, kill=False)
+        run_elastic(args, place, elastic_out)
+        pair = (mean_step(_rows(ft_out, 0, 0), args.warmup), mean_step(_rows(elastic_out, 0, 0), args.warmup))
+        print(f"round {r + 1}/{args.rounds}: FaultTolerant {1000 * pair[0]:.1f} ms, Elastic "
+              f"{1000 * pair[1]:.1f} ms, ratio {pair[0] / pair[1]:.3f}", flush=True)  # fmt: skip
+        pairs.append(pair)
+    return pairs
 
 
 REJOIN_PARTS = [
@@ -208,37 +308,52 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.warmup + 2 <= args.kill_step < args.steps:
         raise SystemExit("bench_live_recovery: need --warmup + 2 <= --kill-step < --steps")
-    print(f"machine: {machine()}\n2 x 1 CPU process (1 thread), Gloo, embedded workload (WorkloadConfig())")
-    with tempfile.TemporaryDirectory(prefix="bench_live_recovery_") as tmp:
-        elastic, ft, kill = Path(tmp, "elastic"), Path(tmp, "ft"), Path(tmp, "kill")
-        run_elastic(args, elastic)
-        run_ft(args, ft, kill=False)
-        run_ft(args, kill, kill=True)
-        elastic_step = mean_step(_rows(elastic, 0, 0), args.warmup)
-        ft_step = mean_step(_rows(ft, 0, 0), args.warmup)
+    with contextlib.ExitStack() as stack:
+        place = OneBox()
+        if args.nodes == 2:
+            from lightning_dist.cluster import netns
+
+            place = TwoNodes(stack.enter_context(netns.EmulatedCluster(2, rate_mbit=args.rate_mbit)))
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_live_recovery_")))
+        print(f"machine: {machine()}\n2 x 1 CPU process (1 thread), Gloo, embedded workload "
+              f"(WorkloadConfig()), on {place.where}; {'cold' if args.cold else 'warm'} restarts", flush=True)  # fmt: skip
+        pairs = overhead_rounds(args, place, tmp) if args.rounds else []
+        kill = tmp / "kill"
+        run_ft(args, place, kill, kill=True)
         survivor = _rows(kill, 0, 0)
         in_flight = _result(kill, 0, 0)["uncommitted"]
         first, restarted = _rows(kill, 1, 0), _rows(kill, 1, 1)
+        marks = _result(kill, 1, 1).get("marks", {})
         killed_at = float((kill / "killed_at").read_text())
     steps = [r["step"] for r in survivor]
     last_before = max((r["step"] for r in first), default=-1)
     redone = len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before)
     back = min((r["t"] for r in restarted if r["participants"] == 2), default=float("nan"))
-    pairs = list(zip(survivor, survivor[1:]))
-    before = [b["t"] - a["t"] for a, b in pairs if args.warmup <= a["step"] and b["t"] < killed_at]
-    during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < back]
-    rows = [
-        ("Elastic() mean step, no fault", f"{1000 * elastic_step:.1f} ms", ""),
-        ("FaultTolerant() mean step, no fault", f"{1000 * ft_step:.1f} ms", ""),
-        ("quorum overhead (FaultTolerant / Elastic)", f"{ft_step / elastic_step:.3f}", "<= 1.05"),
+    pairs_t = list(zip(survivor, survivor[1:]))
+    before = [b["t"] - a["t"] for a, b in pairs_t if args.warmup <= a["step"] and b["t"] < killed_at]
+    during = [b["t"] - a["t"] for a, b in pairs_t if b["t"] > killed_at and a["t"] < back] or [float("nan")]
+    rows: list[tuple[str, str, str]] = []
+    if pairs:
+        ft_med = statistics.median(p[0] for p in pairs)
+        el_med = statistics.median(p[1] for p in pairs)
+        ratios = sorted(p[0] / p[1] for p in pairs)
+        rows += [
+            (f"Elastic() mean step, no fault (median of {len(pairs)} rounds)", f"{1000 * el_med:.1f} ms", ""),
+            (f"FaultTolerant() mean step, no fault (median of {len(pairs)} rounds)", f"{1000 * ft_med:.1f} ms", ""),
+            ("quorum overhead: median of the rounds' FaultTolerant / Elastic (range)",
+             f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})", "<= 1.05"),
+        ]  # fmt: skip
+    rows += [
         (f"committed steps redone after the kill at step {args.kill_step}", str(redone), "0"),
         ("steps in flight at the kill, run again (not committed)", str(in_flight), ""),
         ("healthy group's slowest step during the failure / its median step before",
          f"{max(during) / statistics.median(before):.1f}x ({max(during):.2f} s)", ""),
         ("kill -> killed group commits a step with its peer again", f"{back - killed_at:.1f} s", "< 5 s"),
     ]  # fmt: skip
-    print(markdown_table(rows, args.table))
-    print(markdown_table(rejoin_breakdown(killed_at, _result(kill, 1, 1).get("marks", {}), back)))
+    table = markdown_table(rows) + "\n\n" + markdown_table(rejoin_breakdown(killed_at, marks, back))
+    print(table)
+    if args.table is not None:
+        args.table.write_text(table + "\n")
     return 0
 
 

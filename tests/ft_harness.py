@@ -43,7 +43,7 @@ def launch(out: Path, groups: int = 2, steps: int = STEPS, **env: str) -> Launch
         groups,
         lighthouse.address,
         max_restarts=3,
-        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), **env),
+        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), FT_GROUPS=str(groups), **env),
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -187,12 +187,15 @@ def _kill_the_job_and_start_it_again(first: Path, again: Path, launch: Any, star
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Four launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant``); a run where group 1's worker SIGKILLs itself at
-    step 4 (torchft's ``fail_at``) and its first restart SIGKILLs itself again while it applies its
-    peer's state; a run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is
-    stopped and started again; and a run whose whole job is ended at step 17 and started again."""
+    """Five launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant
+    --cold``: no standby); a run where group 1's worker SIGKILLs itself at step 4 (torchft's
+    ``fail_at``) and its first restart SIGKILLs itself again while it applies its peer's state; a
+    run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is stopped and started
+    again; a run whose whole job is ended at step 17 and started again; and a run of 3 replica
+    groups where group 1's worker SIGKILLs itself at step 4. All but the first restart warm (a
+    standby per group forks the worker torchrun restarts)."""
     base = tmp_path_factory.mktemp("ft_runs")
-    dirs = {name: base / name for name in ("reference", "kill", "stop", "whole", "whole_again")}
+    dirs = {name: base / name for name in ("reference", "kill", "stop", "whole", "whole_again", "three")}
     events: dict[str, float] = {}
     launches = {
         "kill": ft.launch(
@@ -200,6 +203,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         "stop": ft.launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
         "whole": ft.launch(dirs["whole"], FT_PAUSE="0.1"),
+        "three": ft.launch(dirs["three"], groups=3, FT_FAIL="1:4", FT_SLEEP="0.5", FT_AWAIT="1:1"),
     }
     started: dict[str, Any] = {}
     restarter = threading.Thread(
@@ -211,7 +215,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dirs["reference"].mkdir()
     reference = subprocess.Popen(  # the fault-free run, through the one-box launcher's command line
         [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--max-restarts", "0",
-         "--heartbeat-timeout-ms", "1000", "--", str(SCRIPT)],
+         "--heartbeat-timeout-ms", "1000", "--cold", "--", str(SCRIPT)],
         env=child_env(FT_OUT=str(dirs["reference"]), FT_STEPS=str(STEPS)),
         stdout=open(dirs["reference"] / "log.txt", "w"),  # noqa: SIM115
         stderr=subprocess.STDOUT,
@@ -228,7 +232,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             code = None
         log = (dirs["reference"] / "log.txt").read_text()[-6000:]
         assert code == 0, f"the launcher's run ended with {code}; log:\n{log}"
-        for name in ("stop", "kill"):
+        for name in ("stop", "kill", "three"):
             ft.finish(launches[name], dirs[name], timeout=240)
         restarter.join(timeout=200)
         assert "again" in started, "the whole job was not started again"
@@ -269,6 +273,29 @@ def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing
     assert rejoined and rejoined[0] > 4, "the restarted group did not start at the quorum's step"
     assert any(r["participants"] == 1 for r in ft.rows(out, 0)), "the survivor never trained alone"
     ft.check_against_reference(runs["reference"], out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_groups_the_two_survivors_take_over_the_killed_groups_slots(runs: dict) -> None:
+    """3 replica groups, group 1 SIGKILLed at step 4: groups 0 and 2 keep their processes and train
+    its slots between them (quorums of 2) until its restart rejoins at the quorum's step; every
+    step's global batch is trained exactly once and all three end on the fault-free (2-group) run's
+    weights: the same gradient terms summed in other groupings, within the module's tolerance."""
+    out = runs["three"]
+    for group in (0, 2):
+        assert [a for a, _ in ft.pids(out, group)] == [0], f"healthy group {group}'s process was restarted"
+    assert [a for a, _ in ft.pids(out, 1)] == [0, 1], "group 1 dies at step 4 and restarts once"
+    without = [r["step"] for r in ft.rows(out, 0) if r["participants"] == 2]
+    assert without and without == [r["step"] for r in ft.rows(out, 2) if r["participants"] == 2], (
+        "groups 0 and 2 did not train together without group 1"
+    )
+    assert not set(without) & {r["step"] for r in ft.rows(out, 1)}, "group 1 trained while it was out"
+    back = [r for r in ft.rows(out, 1) if r["attempt"] == 1]
+    assert back and back[0]["step"] > max(without) and back[0]["participants"] == 3, (
+        "the restarted group did not rejoin at the quorum's step"
+    )
+    ft.check_against_reference(runs["reference"], out, groups=3)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ fresh interpreter importing torch and Lightning: most of a cold restart.
 Fork safety: the standby never starts a thread of its own, runs no tensor operation, and forks from
 a single-threaded select loop; the child reseeds Python's (and NumPy's) global random state from the
 OS, as a fresh interpreter would. Only processes of this user reach the socket (a 0700 directory,
-and the peer's uid is checked). The standby exits with torchrun's exit code.
+and the peer's uid is checked). The standby ends as torchrun ended (its exit code, or the signal that killed it).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_dist.launch.warm_worker import SOCKET_ENV
+from lightning_dist.launch.warm_worker import SOCKET_ENV, end_like
 
 WORKER = Path(__file__).with_name("warm_worker.py")
 """torchrun's entrypoint for a warm group (run as a file)."""
@@ -272,16 +272,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--script", default=None, help="the training script (its imports are preloaded)")
     parser.add_argument("--preload", action="append", default=[], help="another module to import first")
+    parser.add_argument("--bare", action="store_true", help="import only --preload and the script's imports")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ... warm_worker.py train.py")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the torchrun command after --")
     script = [args.script] if args.script else []
-    preload([*PRELOAD, *args.preload, *(name for s in script for name in script_imports(s))])
+    preload([*([] if args.bare else PRELOAD), *args.preload, *(n for s in script for n in script_imports(s))])
     job, code = Standby().serve(command, dict(os.environ))
     if job is not None:
         run_job(job)
+        return 0
+    end_like(code)  # as torchrun ended: its exit code, or killed by the same signal
     return code
 
 

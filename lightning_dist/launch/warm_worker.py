@@ -30,7 +30,7 @@ def _cold(argv: list[str]) -> None:
     os.execv(sys.executable, [sys.executable, "-u", *argv])
 
 
-def _end_like(code: int) -> None:
+def end_like(code: int) -> None:
     """Exit as the worker did: with its code, or killed by its signal (``code`` < 0)."""
     if code < 0:
         if -code not in (signal.SIGKILL, signal.SIGSTOP):
@@ -72,8 +72,8 @@ def main(argv: list[str]) -> None:
     ended = reply.readline().split()
     if ended[:1] != ["exit"]:  # the standby died: take the worker down with it, as torchrun would
         os.kill(pid, signal.SIGKILL)
-        _end_like(-signal.SIGKILL)
-    _end_like(int(ended[1]))
+        end_like(-signal.SIGKILL)
+    end_like(int(ended[1]))
 
 
 if __name__ == "__main__":

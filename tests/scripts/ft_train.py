@@ -1,9 +1,9 @@
 """One replica group of a FaultTolerant run (under torchrun, started by tests/test_fault_tolerant.py).
 
-Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_FAIL (``group:step[,group:step]``: that
+Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_GROUPS (replica groups, default 2), FT_FAIL (``group:step[,group:step]``: that
 group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
-``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training alone sleeps FT_SLEEP
-per slot until the restart FT_AWAIT names has rejoined),
+``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
+FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
@@ -27,13 +27,14 @@ from lightning_dist import FaultTolerant
 
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])
+GROUPS = int(os.environ.get("FT_GROUPS", "2"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FAIL", "").split(",") if item}
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
 PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 """Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
 AWAIT = os.environ.get("FT_AWAIT", "")
-"""``group:attempt``: a group training alone sleeps FT_SLEEP per slot until that attempt has rejoined."""
+"""``group:attempt``: a group training without all groups sleeps FT_SLEEP per slot until that attempt has rejoined."""
 
 
 def awaited() -> bool:
@@ -53,8 +54,8 @@ class Regression(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
         time.sleep(PAUSE)
-        if SLEEP and self.trainer.strategy.participants < 2 and awaited():  # type: ignore[attr-defined]
-            time.sleep(SLEEP)  # a lone group slows down until the restarted one has rejoined
+        if SLEEP and self.trainer.strategy.participants < GROUPS and awaited():  # type: ignore[attr-defined]
+            time.sleep(SLEEP)  # groups short of one slow down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> dict:
@@ -116,7 +117,7 @@ def main() -> None:
     y = x.sum(dim=1, keepdim=True).sin()
     data = TensorDataset(x, y, torch.arange(n))
     strategy = FaultTolerant(
-        replica_groups=2,
+        replica_groups=GROUPS,
         global_batch=16,
         timeout_s=float(os.environ.get("FT_TIMEOUT", "10")),
         commit_every=int(os.environ.get("FT_COMMIT_EVERY", "10")),
