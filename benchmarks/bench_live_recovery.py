@@ -1,24 +1,30 @@
 """FaultTolerant (live recovery on torchft) against Elastic (torchrun restarts) on the embedded workload.
 
-    python benchmarks/bench_live_recovery.py                 # 2 replica groups x 1 CPU process, Gloo
-    python benchmarks/bench_live_recovery.py --steps 60 --kill-step 10 --table docs/live-recovery-table.md
+    python benchmarks/bench_live_recovery.py                  # 2 replica groups x 1 CPU process, Gloo
+    python benchmarks/bench_live_recovery.py --steps 40 --rounds 3 --kill-step 10 --table out.md
+    python benchmarks/bench_live_recovery.py --nodes 2        # group g on emulated node g (root)
 
-Three launches of this script, the same global batch (2 x WorkloadConfig().batch_size) throughout:
+Launches of this script, the same global batch (2 x WorkloadConfig().batch_size) throughout:
 
-elastic   ``torchrun --standalone --nproc-per-node=2`` with ``Elastic`` and no commit in the run: the
-          per-step reference without faults.
-ft        two replica groups (one torchrun each, ``lightning_dist.launch.fault_tolerant``) with
-          ``FaultTolerant``, no fault: per-step overhead of the quorum = mean step / Elastic's (target
-          <= 1.05).
-kill      the same, group 1 SIGKILLs itself at the start of step ``--kill-step`` and its torchrun
-          restarts it. Steps redone: committed steps that were committed again (target 0); the
-          step in flight at the kill is not committed and runs again (reported apart). The healthy
-          group's slowest step from the kill until group 1 is back, over its median step before
-          the kill. Rejoin: from the kill to the first step committed by both groups again.
+rounds    ``--rounds`` x (ft, elastic), interleaved (FT, Elastic, FT, Elastic, ...) so that a change
+          of the machine's load hits both alike. ft: two replica groups (one torchrun each, as
+          ``lightning_dist.launch.fault_tolerant`` starts them) with ``FaultTolerant``, no fault.
+          elastic: ``torchrun --nproc-per-node=2`` (``--nnodes=2`` across nodes) with ``Elastic``
+          and no commit in the run. Quorum overhead: the median over the rounds of FT / Elastic
+          mean step (target <= 1.05), with the rounds' range.
+kill      ft again, group 1 SIGKILLs itself at the start of step ``--kill-step`` and its torchrun
+          restarts it (through the group's warm standby; ``--cold``: a fresh Python). Steps
+          redone: committed steps that were committed again (target 0); the step in flight at the
+          kill is not committed and runs again (reported apart). The healthy group's slowest step
+          from the kill until group 1 is back, over its median step before the kill. Rejoin: from
+          the kill to the first step committed by both groups again (target < 5 s), and where its
+          seconds went (timestamps the restarted worker takes at each stage).
 
 Step times are the gaps between consecutive committed steps (``time.time()`` at each step's end),
-over steps after ``--warmup``; the table is a mean, as one step in N carries the quorum or commit.
-Prints the machine, the commands and a markdown table; writes it to ``--table`` when given.
+over steps after ``--warmup``; a round's figure is a mean, as one step in N carries the quorum.
+``--nodes 2`` builds ``lightning_dist.cluster.netns.EmulatedCluster(2)`` (network namespaces joined
+by a veth link, ``--rate-mbit`` caps it): group g and Elastic's rank g run on node g, the Lighthouse
+(``torchft_lighthouse``) on node 0. Prints the machine and the tables; ``--table`` writes them too.
 """
 
 from __future__ import annotations
@@ -308,6 +314,7 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.warmup + 2 <= args.kill_step < args.steps:
         raise SystemExit("bench_live_recovery: need --warmup + 2 <= --kill-step < --steps")
+    os.environ.setdefault("RUST_LOG", "warn")  # the in-process Lighthouse's per-quorum log lines
     with contextlib.ExitStack() as stack:
         place = OneBox()
         if args.nodes == 2:

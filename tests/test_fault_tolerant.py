@@ -150,6 +150,44 @@ def test_lighthouse_listens_on_the_given_host_only() -> None:
         assert ft.listening(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
 
 
+def test_slurm_script_starts_a_lighthouse_and_one_warm_group_per_node() -> None:
+    from lightning_dist.launch.slurm import SlurmJob
+
+    script = SlurmJob(["python", "train.py", "--x", "a b"], nodes=4, strategy="ld_fault_tolerant").render()
+    lines = script.splitlines()
+    assert "#SBATCH --ntasks-per-node=1" in lines and "#SBATCH --signal=B:SIGUSR1@90" in lines
+    assert "lighthouse_addr=$(getent ahostsv4 \"$head\" | awk '{print $1; exit}')" in lines
+    lighthouse = next(line for line in lines if line.startswith("torchft_lighthouse "))
+    assert '--bind "$lighthouse_addr:$port"' in lighthouse and lighthouse.endswith("&")  # not every interface
+    assert "trap 'kill \"$lighthouse\" 2>/dev/null || true' EXIT" in lines
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # the requeued job resumes from its commits
+    launch = next(line for line in lines if line.startswith("srun "))
+    assert launch == (
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c 'exec python -m "
+        'lightning_dist.launch.fault_tolerant --group "$SLURM_NODEID" --lighthouse "$0" --host auto '
+        '--max-restarts 3 -- "$@"\' "http://$lighthouse_addr:$port" train.py --x \'a b\' &'
+    )
+    named = SlurmJob(["python", "-m", "pkg.train"], nodes=2, strategy="FaultTolerant", master_addr="10.0.0.1")
+    assert (
+        "lighthouse_addr=10.0.0.1" in named.render()
+        and '-- "$@"\' "http://$lighthouse_addr:$port" -m pkg.train' in named.render()
+    )
+    with pytest.raises(ValueError, match="--devices=2"):
+        SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant")
+    with pytest.raises(ValueError, match="python script.py"):
+        SlurmJob(["python", "-u", "train.py"], nodes=2, strategy="ld_fault_tolerant").render()
+
+
+def test_launcher_options_for_one_group_of_a_cluster() -> None:
+    from lightning_dist.launch.fault_tolerant import address_towards, main
+
+    assert address_towards("http://127.0.0.1:29510") == "127.0.0.1"
+    with pytest.raises(SystemExit):  # --group without the job's Lighthouse
+        main(["--group", "1", "--", "train.py"])
+    with pytest.raises(ValueError, match="--lighthouse"):
+        address_towards("http://")
+
+
 # -- slow: whole runs ----------------------------------------------------------------------------------
 def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dict[str, float]) -> None:
     """During the run in ``out``: SIGSTOP group 1's worker for 15 s (past timeout_s=10) once group 0
