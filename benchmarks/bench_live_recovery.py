@@ -13,7 +13,8 @@ rounds    ``--rounds`` x (ft, elastic), interleaved (FT, Elastic, FT, Elastic, .
           and no commit in the run. Quorum overhead: the median over the rounds of FT / Elastic
           mean step (target <= 1.05), with the rounds' range.
 kill      ft again, group 1 SIGKILLs itself at the start of step ``--kill-step`` and its torchrun
-          restarts it (through the group's warm standby; ``--cold``: a fresh Python). Steps
+          restarts it (through the group's warm standby; ``--restarts cold``: a fresh Python;
+          ``warm,cold``: both, back to back). Steps
           redone: committed steps that were committed again (target 0); the step in flight at the
           kill is not committed and runs again (reported apart). The healthy group's slowest step
           from the kill until group 1 is back, over its median step before the kill. Rejoin: from
@@ -65,7 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="2: group g and Elastic's rank g on emulated node g (root; network namespaces)",
     )
     p.add_argument("--rate-mbit", type=float, default=None, help="with --nodes 2: cap the link (Mbit/s)")
-    p.add_argument("--cold", action="store_true", help="restart groups in a fresh Python (no standby)")
+    p.add_argument(
+        "--restarts",
+        default="warm",
+        help="the kill run's restarts: warm (the groups' standby), cold (a fresh Python) or warm,cold",
+    )
     p.add_argument("--worker", choices=["elastic", "ft"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
@@ -239,11 +244,11 @@ def run_elastic(args: argparse.Namespace, place: OneBox, out: Path) -> None:
     place.elastic(_script(args, "elastic", out))
 
 
-def run_ft(args: argparse.Namespace, place: OneBox, out: Path, kill: bool) -> None:
+def run_ft(args: argparse.Namespace, place: OneBox, out: Path, kill: bool, warm: bool = True) -> None:
     from lightning_dist.launch.fault_tolerant import stop_groups
 
     with place.lighthouse() as lighthouse:
-        procs = place.groups(_script(args, "ft", out, kill), lighthouse, warm=not args.cold)
+        procs = place.groups(_script(args, "ft", out, kill), lighthouse, warm=warm)
         try:
             codes = [p.wait(timeout=1800) for p in procs]
         finally:
@@ -294,16 +299,41 @@ REJOIN_PARTS = [
 ]
 
 
-def rejoin_breakdown(killed_at: float, marks: dict[str, float], back: float) -> list[tuple[str, str, str]]:
+def rejoin_breakdown(killed_at: float, marks: dict[str, float], back: float) -> list[tuple[str, float]]:
     """Where the seconds from the kill to the restarted group's first step with its peer went."""
     rows, last = [], killed_at
     for key, what in REJOIN_PARTS:
         if key in marks:
-            rows.append((what, f"{marks[key] - last:.2f} s", ""))
+            rows.append((what, marks[key] - last))
             last = marks[key]
-    rows.append(("first step with the peer committed", f"{back - last:.2f} s", ""))
-    rows.append(("kill -> rejoined, total", f"{back - killed_at:.2f} s", "< 5 s"))
+    rows.append(("first step with the peer committed", back - last))
+    rows.append(("kill -> rejoined, total (target < 5 s)", back - killed_at))
     return rows
+
+
+def kill_figures(args: argparse.Namespace, kill: Path) -> dict[str, Any]:
+    """The kill run's figures: steps redone and in flight, the survivor's slowest step, the rejoin."""
+    survivor = _rows(kill, 0, 0)
+    first, restarted = _rows(kill, 1, 0), _rows(kill, 1, 1)
+    killed_at = float((kill / "killed_at").read_text())
+    steps = [r["step"] for r in survivor]
+    last_before = max((r["step"] for r in first), default=-1)
+    back = min((r["t"] for r in restarted if r["participants"] == 2), default=float("nan"))
+    pairs = list(zip(survivor, survivor[1:]))
+    before = [b["t"] - a["t"] for a, b in pairs if args.warmup <= a["step"] and b["t"] < killed_at]
+    during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < back] or [float("nan")]
+    return {
+        "redone": len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before),
+        "in_flight": _result(kill, 0, 0)["uncommitted"],
+        "slowest": max(during),
+        "median_before": statistics.median(before),
+        "breakdown": rejoin_breakdown(killed_at, _result(kill, 1, 1).get("marks", {}), back),
+    }
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def main(argv: list[str]) -> int:
@@ -314,6 +344,11 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.warmup + 2 <= args.kill_step < args.steps:
         raise SystemExit("bench_live_recovery: need --warmup + 2 <= --kill-step < --steps")
+    modes = args.restarts.split(",")
+    if not modes or any(m not in ("warm", "cold") for m in modes):
+        raise SystemExit(
+            f"bench_live_recovery: --restarts={args.restarts!r}; accepted: warm, cold, warm,cold"
+        )
     os.environ.setdefault("RUST_LOG", "warn")  # the in-process Lighthouse's per-quorum log lines
     with contextlib.ExitStack() as stack:
         place = OneBox()
@@ -323,22 +358,12 @@ def main(argv: list[str]) -> int:
             place = TwoNodes(stack.enter_context(netns.EmulatedCluster(2, rate_mbit=args.rate_mbit)))
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_live_recovery_")))
         print(f"machine: {machine()}\n2 x 1 CPU process (1 thread), Gloo, embedded workload "
-              f"(WorkloadConfig()), on {place.where}; {'cold' if args.cold else 'warm'} restarts", flush=True)  # fmt: skip
+              f"(WorkloadConfig()), on {place.where}; restarts: {args.restarts}", flush=True)  # fmt: skip
         pairs = overhead_rounds(args, place, tmp) if args.rounds else []
-        kill = tmp / "kill"
-        run_ft(args, place, kill, kill=True)
-        survivor = _rows(kill, 0, 0)
-        in_flight = _result(kill, 0, 0)["uncommitted"]
-        first, restarted = _rows(kill, 1, 0), _rows(kill, 1, 1)
-        marks = _result(kill, 1, 1).get("marks", {})
-        killed_at = float((kill / "killed_at").read_text())
-    steps = [r["step"] for r in survivor]
-    last_before = max((r["step"] for r in first), default=-1)
-    redone = len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before)
-    back = min((r["t"] for r in restarted if r["participants"] == 2), default=float("nan"))
-    pairs_t = list(zip(survivor, survivor[1:]))
-    before = [b["t"] - a["t"] for a, b in pairs_t if args.warmup <= a["step"] and b["t"] < killed_at]
-    during = [b["t"] - a["t"] for a, b in pairs_t if b["t"] > killed_at and a["t"] < back] or [float("nan")]
+        kills = {}
+        for mode in modes:  # back to back, so the load is alike
+            run_ft(args, place, tmp / f"kill_{mode}", kill=True, warm=mode == "warm")
+            kills[mode] = kill_figures(args, tmp / f"kill_{mode}")
     rows: list[tuple[str, str, str]] = []
     if pairs:
         ft_med = statistics.median(p[0] for p in pairs)
@@ -350,14 +375,23 @@ def main(argv: list[str]) -> int:
             ("quorum overhead: median of the rounds' FaultTolerant / Elastic (range)",
              f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})", "<= 1.05"),
         ]  # fmt: skip
-    rows += [
-        (f"committed steps redone after the kill at step {args.kill_step}", str(redone), "0"),
-        ("steps in flight at the kill, run again (not committed)", str(in_flight), ""),
-        ("healthy group's slowest step during the failure / its median step before",
-         f"{max(during) / statistics.median(before):.1f}x ({max(during):.2f} s)", ""),
-        ("kill -> killed group commits a step with its peer again", f"{back - killed_at:.1f} s", "< 5 s"),
-    ]  # fmt: skip
-    table = markdown_table(rows) + "\n\n" + markdown_table(rejoin_breakdown(killed_at, marks, back))
+    for mode, k in kills.items():
+        rows += [
+            (f"{mode} restart: committed steps redone after the kill at step {args.kill_step}", str(k["redone"]), "0"),
+            (f"{mode} restart: steps in flight at the kill, run again (not committed)", str(k["in_flight"]), ""),
+            (f"{mode} restart: healthy group's slowest step during the failure / its median step before",
+             f"{k['slowest'] / k['median_before']:.1f}x ({k['slowest']:.2f} s)", ""),
+        ]  # fmt: skip
+    stages = [what for what, _ in next(iter(kills.values()))["breakdown"]]
+    breakdown = [
+        [what, *(f"{dict(k['breakdown']).get(what, float('nan')):.2f} s" for k in kills.values())]
+        for what in stages
+    ]
+    table = (
+        markdown_table(rows)
+        + "\n\n"
+        + _table(["kill -> rejoin", *(f"{m} restart" for m in kills)], breakdown)
+    )
     print(table)
     if args.table is not None:
         args.table.write_text(table + "\n")
