@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -42,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from machine_info import machine, markdown_table  # benchmarks/ is on sys.path when a benchmark runs
 
@@ -321,7 +322,8 @@ def kill_figures(args: argparse.Namespace, kill: Path) -> dict[str, Any]:
     back = min((r["t"] for r in restarted if r["participants"] == 2), default=float("nan"))
     pairs = list(zip(survivor, survivor[1:]))
     before = [b["t"] - a["t"] for a, b in pairs if args.warmup <= a["step"] and b["t"] < killed_at]
-    during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < back] or [float("nan")]
+    until = math.inf if math.isnan(back) else back  # not back before the end: the rest of the run
+    during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < until] or [float("nan")]
     return {
         "redone": len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before),
         "in_flight": _result(kill, 0, 0)["uncommitted"],
@@ -329,6 +331,11 @@ def kill_figures(args: argparse.Namespace, kill: Path) -> dict[str, Any]:
         "median_before": statistics.median(before),
         "breakdown": rejoin_breakdown(killed_at, _result(kill, 1, 1).get("marks", {}), back),
     }
+
+
+def _seconds(value: Optional[float]) -> str:
+    """A stage's seconds; nan: the restarted group never trained with its peer before the run ended."""
+    return "not before the run ended" if value is None or math.isnan(value) else f"{value:.2f} s"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -384,8 +391,7 @@ def main(argv: list[str]) -> int:
         ]  # fmt: skip
     stages = [what for what, _ in next(iter(kills.values()))["breakdown"]]
     breakdown = [
-        [what, *(f"{dict(k['breakdown']).get(what, float('nan')):.2f} s" for k in kills.values())]
-        for what in stages
+        [what, *(_seconds(dict(k["breakdown"]).get(what)) for k in kills.values())] for what in stages
     ]
     table = (
         markdown_table(rows)

@@ -4,7 +4,7 @@ Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_GROUPS (replica grou
 group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
 ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
 FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
-FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
+FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted worker waits first), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory). Writes, per group: ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step) and ``final_<g>.pt`` (the weights at the end).
@@ -111,6 +111,8 @@ class Record(L.Callback):
 def main() -> None:
     with open(OUT / f"pids_{GROUP}.txt", "a") as fh:
         fh.write(f"{ATTEMPT} {os.getpid()}\n")
+    if ATTEMPT:  # a slower restart (FT_RESTART_PAUSE s): the others train some steps without this group
+        time.sleep(float(os.environ.get("FT_RESTART_PAUSE", "0")))
     n = 512
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
