@@ -33,8 +33,9 @@ def listening(port: int) -> list[str]:
     return found
 
 
-def launch(out: Path, groups: int = 2, steps: int = STEPS, **env: str) -> Launch:
-    """A Lighthouse and ``groups`` torchruns (3 restarts each) of the test script, writing to ``out``."""
+def launch(out: Path, groups: int = 2, steps: int = STEPS, warm: bool = True, **env: str) -> Launch:
+    """A Lighthouse and ``groups`` torchruns (3 restarts each; ``warm``: under their standbys) of the
+    test script, writing to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
     log = open(out / "log.txt", "w")  # noqa: SIM115
@@ -43,7 +44,8 @@ def launch(out: Path, groups: int = 2, steps: int = STEPS, **env: str) -> Launch
         groups,
         lighthouse.address,
         max_restarts=3,
-        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), **env),
+        env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), FT_GROUPS=str(groups), **env),
+        warm=warm,
         stdout=log,
         stderr=subprocess.STDOUT,
     )

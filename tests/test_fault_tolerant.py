@@ -150,6 +150,44 @@ def test_lighthouse_listens_on_the_given_host_only() -> None:
         assert ft.listening(port) == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or [::]
 
 
+def test_slurm_script_starts_a_lighthouse_and_one_warm_group_per_node() -> None:
+    from lightning_dist.launch.slurm import SlurmJob
+
+    script = SlurmJob(["python", "train.py", "--x", "a b"], nodes=4, strategy="ld_fault_tolerant").render()
+    lines = script.splitlines()
+    assert "#SBATCH --ntasks-per-node=1" in lines and "#SBATCH --signal=B:SIGUSR1@90" in lines
+    assert "lighthouse_addr=$(getent ahostsv4 \"$head\" | awk '{print $1; exit}')" in lines
+    lighthouse = next(line for line in lines if line.startswith("torchft_lighthouse "))
+    assert '--bind "$lighthouse_addr:$port"' in lighthouse and lighthouse.endswith("&")  # not every interface
+    assert "trap 'kill \"$lighthouse\" 2>/dev/null || true' EXIT" in lines
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script  # the requeued job resumes from its commits
+    launch = next(line for line in lines if line.startswith("srun "))
+    assert launch == (
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c 'exec python -m "
+        'lightning_dist.launch.fault_tolerant --group "$SLURM_NODEID" --lighthouse "$0" --host auto '
+        '--max-restarts 3 -- "$@"\' "http://$lighthouse_addr:$port" train.py --x \'a b\' &'
+    )
+    named = SlurmJob(["python", "-m", "pkg.train"], nodes=2, strategy="FaultTolerant", master_addr="10.0.0.1")
+    assert (
+        "lighthouse_addr=10.0.0.1" in named.render()
+        and '-- "$@"\' "http://$lighthouse_addr:$port" -m pkg.train' in named.render()
+    )
+    with pytest.raises(ValueError, match="--devices=2"):
+        SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant")
+    with pytest.raises(ValueError, match="python script.py"):
+        SlurmJob(["python", "-u", "train.py"], nodes=2, strategy="ld_fault_tolerant").render()
+
+
+def test_launcher_options_for_one_group_of_a_cluster() -> None:
+    from lightning_dist.launch.fault_tolerant import address_towards, main
+
+    assert address_towards("http://127.0.0.1:29510") == "127.0.0.1"
+    with pytest.raises(SystemExit):  # --group without the job's Lighthouse
+        main(["--group", "1", "--", "train.py"])
+    with pytest.raises(ValueError, match="--lighthouse"):
+        address_towards("http://")
+
+
 # -- slow: whole runs ----------------------------------------------------------------------------------
 def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dict[str, float]) -> None:
     """During the run in ``out``: SIGSTOP group 1's worker for 15 s (past timeout_s=10) once group 0
@@ -187,19 +225,27 @@ def _kill_the_job_and_start_it_again(first: Path, again: Path, launch: Any, star
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Four launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant``); a run where group 1's worker SIGKILLs itself at
-    step 4 (torchft's ``fail_at``) and its first restart SIGKILLs itself again while it applies its
-    peer's state; a run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is
-    stopped and started again; and a run whose whole job is ended at step 17 and started again."""
+    """Five launches at once: the fault-free run (``python -m lightning_dist.launch.fault_tolerant
+    --cold``: no standby); a run where group 1's worker SIGKILLs itself at step 4 (torchft's
+    ``fail_at``) and its first restart SIGKILLs itself again while it applies its peer's state; a
+    run where group 1 is SIGSTOPped past the timeout, then the Lighthouse is stopped and started
+    again; a run whose whole job is ended at step 17 and started again; and a run of 3 replica
+    groups where group 1's worker SIGKILLs itself at step 4 and its restart waits 4 s before it
+    starts. The kill run restarts cold (a fresh Python, 10-30 s here, so group 0 trains alone for
+    a while), the others warm (a standby per group forks the worker torchrun restarts: about a
+    second, so the 3-group run's restart pauses to leave the two others steps of their own)."""
     base = tmp_path_factory.mktemp("ft_runs")
-    dirs = {name: base / name for name in ("reference", "kill", "stop", "whole", "whole_again")}
+    dirs = {name: base / name for name in ("reference", "kill", "stop", "whole", "whole_again", "three")}
     events: dict[str, float] = {}
     launches = {
         "kill": ft.launch(
-            dirs["kill"], FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"
+            dirs["kill"], warm=False, FT_FAIL="1:4", FT_SLEEP="1.0", FT_AWAIT="1:2", FT_KILL_IN_RECOVERY="1"
         ),
         "stop": ft.launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
         "whole": ft.launch(dirs["whole"], FT_PAUSE="0.1"),
+        "three": ft.launch(
+            dirs["three"], groups=3, FT_FAIL="1:4", FT_SLEEP="0.5", FT_AWAIT="1:1", FT_RESTART_PAUSE="4"
+        ),
     }
     started: dict[str, Any] = {}
     restarter = threading.Thread(
@@ -211,7 +257,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     dirs["reference"].mkdir()
     reference = subprocess.Popen(  # the fault-free run, through the one-box launcher's command line
         [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--max-restarts", "0",
-         "--heartbeat-timeout-ms", "1000", "--", str(SCRIPT)],
+         "--heartbeat-timeout-ms", "1000", "--cold", "--", str(SCRIPT)],
         env=child_env(FT_OUT=str(dirs["reference"]), FT_STEPS=str(STEPS)),
         stdout=open(dirs["reference"] / "log.txt", "w"),  # noqa: SIM115
         stderr=subprocess.STDOUT,
@@ -228,7 +274,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             code = None
         log = (dirs["reference"] / "log.txt").read_text()[-6000:]
         assert code == 0, f"the launcher's run ended with {code}; log:\n{log}"
-        for name in ("stop", "kill"):
+        for name in ("stop", "kill", "three"):
             ft.finish(launches[name], dirs[name], timeout=240)
         restarter.join(timeout=200)
         assert "again" in started, "the whole job was not started again"
@@ -269,6 +315,32 @@ def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing
     assert rejoined and rejoined[0] > 4, "the restarted group did not start at the quorum's step"
     assert any(r["participants"] == 1 for r in ft.rows(out, 0)), "the survivor never trained alone"
     ft.check_against_reference(runs["reference"], out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_three_groups_the_two_survivors_take_over_the_killed_groups_slots(runs: dict) -> None:
+    """3 replica groups, group 1 SIGKILLed at step 4: groups 0 and 2 keep their processes and train
+    its slots between them (quorums of 2) until its restart rejoins at the quorum's step; every
+    step's global batch is trained exactly once and all three end on the fault-free (2-group) run's
+    weights: the same gradient terms summed in other groupings, within the module's tolerance."""
+    out = runs["three"]
+    for group in (0, 2):
+        assert [a for a, _ in ft.pids(out, group)] == [0], f"healthy group {group}'s process was restarted"
+    assert [a for a, _ in ft.pids(out, 1)] == [0, 1], "group 1 dies at step 4 and restarts once"
+    first, back = (
+        [r["step"] for r in ft.rows(out, 1) if r["attempt"] == attempt] for attempt in (0, 1)
+    )  # fmt: skip
+    assert first == [0, 1, 2, 3] and back, "group 1 died at step 4 and its restart trained again"
+    out_steps = range(4, back[0])
+    assert out_steps, "the restarted group did not rejoin at a later step of the quorum"
+    for group in (0, 2):
+        pairs = {r["step"]: r["participants"] for r in ft.rows(out, group)}
+        assert all(pairs.get(step) == 2 for step in out_steps), (
+            f"group {group} did not train every step without group 1 in a quorum of the two survivors"
+        )
+    assert any(r["participants"] == 3 for r in ft.rows(out, 1) if r["attempt"] == 1), "group 1 never rejoined"
+    ft.check_against_reference(runs["reference"], out, groups=3)
 
 
 @pytest.mark.slow

@@ -186,6 +186,18 @@ def _manager_server_on(host: str) -> Iterator[None]:
         manager_module.ManagerServer = real  # type: ignore[misc]
 
 
+def _loopback(addr: str) -> bool:
+    """Whether ``addr`` names this machine's loopback only (peers elsewhere cannot reach it)."""
+    import ipaddress
+
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class ManagedBackend(Backend):
     """Collectives among the replica groups in the current quorum, through torchft's ``Manager``.
 
@@ -370,9 +382,14 @@ class FaultTolerantTransport:
 
     def _store_address(self, host: str) -> tuple[str, int]:
         """The replica group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT), else one this process
-        hosts on ``host``."""
+        hosts on ``host``. Peers in other groups connect to it when this group leads a quorum, so a
+        loopback MASTER_ADDR (``torchrun --standalone``) is advertised as ``host`` instead (torchrun's
+        store listens on every interface)."""
         if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            addr = os.environ["MASTER_ADDR"]
+            if _loopback(addr) and not _loopback(host):
+                addr = host
+            return addr, int(os.environ["MASTER_PORT"])
         self.store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         return host, int(self.store.port)
 

@@ -5,20 +5,26 @@
 Each group is ``torchrun --standalone --nproc-per-node=1 --max-restarts=R`` with
 ``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` set: a group whose worker dies is restarted by its own
 torchrun and rejoins the others, which keep training. The Lighthouse listens on ``--bind`` (default
-``127.0.0.1:0``, this machine only). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
-<head>:29510 --min_replicas 1``) and one torchrun per node with ``REPLICA_GROUP_ID=$SLURM_NODEID``
+``127.0.0.1:0``, this machine only; ``--lighthouse URL`` uses a running one, and ``--group G``
+starts only group G: one node of a cluster). Each torchrun runs under a standby (``warm_start.py``) that
+has torch, Lightning and torchft imported and forks the worker torchrun (re)starts, so a restart
+skips the imports (``--cold``: none). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
+<head>:29510 --min_replicas 1``) and on every node ``python -m lightning_dist.launch.fault_tolerant
+--group $SLURM_NODEID --lighthouse http://<head>:29510 --host <node address> -- train.py``
 (docs/live-recovery.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_dist.checks import check_int
 from lightning_dist.collectives.fault_tolerant import (
@@ -27,6 +33,10 @@ from lightning_dist.collectives.fault_tolerant import (
     REPLICA_GROUP_ENV,
     require_torchft,
 )
+from lightning_dist.launch.warm_start import WORKER
+
+MONITOR_INTERVAL_S = 0.05
+"""How often each torchrun checks its worker (torchrun's default is 0.1 s): half of a restart's notice."""
 
 
 class Lighthouse:
@@ -85,19 +95,27 @@ class Lighthouse:
 
 
 def group_command(
-    script: Sequence[str], *, max_restarts: int = 3, torchrun: Optional[str] = None
+    script: Sequence[str], *, max_restarts: int = 3, torchrun: Optional[str] = None, warm: bool = False
 ) -> list[str]:
-    """The torchrun command of one replica group running ``script`` (``[path, *args]``)."""
+    """The torchrun command of one replica group running ``script`` (``[path, *args]``); ``warm``:
+    under a standby that has torch, Lightning and torchft imported and forks each (re)started
+    worker (``warm_start.py``), torchrun's entrypoint being its stand-in ``warm_worker.py``."""
     check_int("max_restarts", max_restarts, 0)
     runner = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
-    return [
+    command = [
         *runner,
         "--standalone",
         "--nnodes=1",
         "--nproc-per-node=1",
         f"--max-restarts={max_restarts}",
+        f"--monitor-interval={MONITOR_INTERVAL_S}",
+        *([str(WORKER)] if warm else []),
         *script,
     ]
+    if not warm:
+        return command
+    standby = [sys.executable, "-m", "lightning_dist.launch.warm_start"]
+    return [*standby, *(["--script", script[0]] if script and script[0] != "-m" else []), "--", *command]
 
 
 def group_env(
@@ -111,25 +129,30 @@ def group_env(
 
 def start_groups(
     script: Sequence[str],
-    groups: int,
+    groups: Union[int, Sequence[int]],
     lighthouse: str,
     *,
     max_restarts: int = 3,
     host: str = "127.0.0.1",
     env: Optional[dict[str, str]] = None,
+    warm: bool = True,
     **popen: Any,
 ) -> list[subprocess.Popen[Any]]:
-    """Start ``groups`` torchruns (replica groups 0..groups-1) of ``script``; the caller waits for
-    them and ends them (by PID) if it stops early."""
-    check_int("groups", groups, 1)
+    """Start ``groups`` torchruns (replica groups 0..groups-1, or the ids ``groups`` lists) of
+    ``script``; the caller waits for them and ends them (by PID) if it stops early. ``warm`` (default): each under its standby
+    (``group_command``), so a restarted worker skips the imports; a restart then takes torchrun's
+    notice, a fork, the Trainer's setup and the heal."""
+    if isinstance(groups, int):
+        check_int("groups", groups, 1)
+    ids = range(groups) if isinstance(groups, int) else groups
     return [
         subprocess.Popen(
-            group_command(script, max_restarts=max_restarts),
+            group_command(script, max_restarts=max_restarts, warm=warm),
             env=group_env(g, lighthouse, host, env),
             start_new_session=True,
             **popen,
         )
-        for g in range(groups)
+        for g in ids
     ]
 
 
@@ -145,33 +168,79 @@ def stop_groups(procs: Sequence[subprocess.Popen[Any]]) -> None:
             proc.wait()
 
 
+def address_towards(url: str) -> str:
+    """This machine's address on the interface that routes to ``url`` (``http://host:port``): what
+    a replica group on a cluster node listens on and advertises (no packet is sent)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url if "//" in url else f"http://{url}")
+    if parts.hostname is None:
+        raise ValueError(f"--lighthouse={url!r}; accepted: http://host:port")
+    family, _, _, _, target = socket.getaddrinfo(parts.hostname, parts.port or 80, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(target)
+        return str(probe.getsockname()[0])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_dist.launch.fault_tolerant", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--groups", type=int, default=2, help="replica groups (one torchrun each)")
+    parser.add_argument(
+        "--group", type=int, default=None, help="start only this replica group (one node of a cluster)"
+    )
+    parser.add_argument(
+        "--lighthouse", default=None, help="use the Lighthouse at http://host:port instead of starting one"
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="the groups' listen address (default: --bind's host; 'auto': this machine's address "
+        "towards --lighthouse)",
+    )
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts of each group by its torchrun")
     parser.add_argument("--min-replicas", type=int, default=1, help="the Lighthouse's quorum minimum")
     parser.add_argument("--bind", default="127.0.0.1:0", help="the Lighthouse's listen address")
     parser.add_argument("--join-timeout-ms", type=int, default=1000)
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    parser.add_argument(
+        "--cold", action="store_true", help="no standby: torchrun starts each worker in a fresh Python"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py [args]")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("give the training script after --")
-    host = args.bind.rsplit(":", 1)[0]
+    if args.group is not None and args.lighthouse is None:
+        parser.error("--group needs --lighthouse (the job's Lighthouse, started once elsewhere)")
+    host = args.host or args.bind.rsplit(":", 1)[0]
+    if host == "auto":
+        if args.lighthouse is None:
+            parser.error("--host auto needs --lighthouse (the address is the one that reaches it)")
+        host = address_towards(args.lighthouse)
     # SIGTERM ends the replica groups too (they run in sessions of their own): raise, run the finally
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    with Lighthouse(
-        args.bind,
-        args.min_replicas,
-        join_timeout_ms=args.join_timeout_ms,
-        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-    ) as lighthouse:
-        print(f"lighthouse: {lighthouse.address}", flush=True)
+    with contextlib.ExitStack() as stack:
+        address = args.lighthouse
+        if address is None:
+            lighthouse = stack.enter_context(
+                Lighthouse(
+                    args.bind,
+                    args.min_replicas,
+                    join_timeout_ms=args.join_timeout_ms,
+                    heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                )
+            )
+            address = lighthouse.address
+            print(f"lighthouse: {address}", flush=True)
         procs = start_groups(
-            script, args.groups, lighthouse.address, max_restarts=args.max_restarts, host=host
+            script,
+            [args.group] if args.group is not None else args.groups,
+            address,
+            max_restarts=args.max_restarts,
+            host=host,
+            warm=not args.cold,
         )
         try:
             codes = [proc.wait() for proc in procs]

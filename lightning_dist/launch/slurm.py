@@ -11,13 +11,17 @@ training command. What each strategy family gets:
 - Elastic (``elastic``, ``Elastic``): one ``torchrun`` per node, c10d rendezvous on the first node,
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torch's shared rendezvous store loses the round when a
   node leaves and joins again).
+- FaultTolerant (``ld_fault_tolerant*``, ``FaultTolerant``): torchft's Lighthouse in the batch shell
+  on the first node, and one replica group per node (``python -m lightning_dist.launch.fault_tolerant
+  --group $SLURM_NODEID``: a warm standby and its torchrun, one process); a group that dies is
+  restarted by its torchrun while the others train on.
 
 Requeue (default): ``#SBATCH --requeue`` and a signal ``--signal-seconds`` before the time limit.
 For the DDP and Horovod families SLURM sends SIGUSR1 to every task: Lightning's ``SLURMEnvironment``
 (``auto_requeue=True``) saves ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and runs ``scontrol requeue``;
-the requeued run's ``Trainer.fit`` resumes from the newest ``hpc_ckpt_*.ckpt`` by itself. For Elastic
-(and Horovod under mpirun) the batch shell gets the signal (``B:``): Elastic resumes from its own
-commits, so the script just requeues; under mpirun it forwards the signal to mpirun, which passes it
+the requeued run's ``Trainer.fit`` resumes from the newest ``hpc_ckpt_*.ckpt`` by itself. For Elastic,
+FaultTolerant (and Horovod under mpirun) the batch shell gets the signal (``B:``): those two resume
+from their own commits, so the script just requeues; under mpirun it forwards the signal to mpirun, which passes it
 to the ranks.
 
 ``--devices`` is one thing everywhere: the devices (GPUs, or CPU processes) of each node, one rank
@@ -50,13 +54,14 @@ from typing import Any, Optional, Union
 
 from typing_extensions import override
 
-FAMILIES = ("ddp", "horovod", "elastic")
+FAMILIES = ("ddp", "horovod", "elastic", "fault_tolerant")
 MPI_LAUNCHES = ("auto", "pmix", "pmi2", "mpirun")
 CLASS_FAMILIES = {
     "DDP": ("ddp", False),
     "Compressed": ("ddp", False),
     "Elastic": ("elastic", False),
     "ElasticDiLoCo": ("elastic", False),
+    "FaultTolerant": ("fault_tolerant", False),
     "Horovod": ("horovod", False),
     "HorovodAdasum": ("horovod", True),
     "Sharded": ("ddp", False),
@@ -147,7 +152,7 @@ class StrategyKind:
 
     name: str
     family: str
-    """``ddp``, ``horovod`` or ``elastic``."""
+    """``ddp``, ``horovod``, ``elastic`` or ``fault_tolerant``."""
     adasum: bool = False
     """Horovod's Adasum: needs a power-of-two number of ranks (of nodes on GPUs)."""
 
@@ -158,6 +163,7 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
 
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
     from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, Sharded
+    from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.registry import resolve
 
     kinds: dict[str, StrategyKind] = {}
@@ -168,6 +174,8 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
             continue
         if issubclass(cls, ElasticMixin):
             kinds[name] = StrategyKind(name, "elastic")
+        elif issubclass(cls, FaultTolerant):
+            kinds[name] = StrategyKind(name, "fault_tolerant")
         elif issubclass(cls, HorovodAdasum):
             kinds[name] = StrategyKind(name, "horovod", adasum=True)
         elif issubclass(cls, Horovod):
@@ -526,10 +534,17 @@ class SlurmJob:
             )
         if self.min_nodes is not None:
             need_int("min_nodes", 1, self.nodes)
+        if family == "fault_tolerant" and self.devices != 1:
+            raise ValueError(
+                f"--devices={self.devices}: {self.strategy} runs one process per replica group and one "
+                "group per node; accepted: --devices 1 (more groups: more --nodes)"
+            )
         if family == "ddp":
             self.launch = "srun"
         elif family == "elastic":
             self.launch = "torchrun"
+        elif family == "fault_tolerant":
+            self.launch = "fault_tolerant"
         else:
             mpi = self.mpi or "auto"
             if mpi == "auto":
@@ -597,7 +612,7 @@ class SlurmJob:
         """The command with the ``TRAINER_FLAGS`` it leaves out appended; one it gives must agree."""
         given = command_flags(self.command)
         horovod = self.kind.family == "horovod"
-        devices = "1" if horovod else str(self.devices)
+        devices = "1" if horovod or self.kind.family == "fault_tolerant" else str(self.devices)
         wanted = {
             "--strategy": _trainer_strategy(self.strategy),
             "--devices": devices,
@@ -656,11 +671,11 @@ class SlurmJob:
         return self.nodes * self.devices
 
     def _batch_signal(self) -> bool:
-        """The batch shell takes the signal (Elastic: requeue; mpirun: forward it)."""
-        return self.launch in ("torchrun", "mpirun")
+        """The batch shell takes the signal (Elastic, FaultTolerant: requeue; mpirun: forward it)."""
+        return self.launch in ("torchrun", "fault_tolerant", "mpirun")
 
     def header(self) -> list[str]:
-        elastic = self.launch == "torchrun"
+        elastic = self.launch in ("torchrun", "fault_tolerant")  # one task (an agent) per node
         lines = [
             f"--job-name={self.job_name}",
             f"--nodes={self.nodes}",
@@ -712,6 +727,8 @@ class SlurmJob:
                 _Raw("$as_root"),
                 *self.command,
             ]
+        if self.launch == "fault_tolerant":
+            return self._fault_tolerant_command()
         nnodes = f"{self.min_nodes}:{self.nodes}" if self.min_nodes is not None else str(self.nodes)
         options = [
             f"--nnodes={nnodes}",
@@ -728,6 +745,43 @@ class SlurmJob:
             runner = ["torchrun", *options, "--no-python", *cmd]
         return ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", *runner]
 
+    def _lighthouse_lines(self) -> list[str]:
+        """FaultTolerant: torchft's Lighthouse in the batch shell (it runs on the first node), bound
+        to the first node's address only, ended when the script exits."""
+        addr = self.master_addr or "$(getent ahostsv4 \"$head\" | awk '{print $1; exit}')"
+        port = str(self.port) if self.port is not None else "$((30000 + SLURM_JOB_ID % 10000))"
+        return [
+            'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"lighthouse_addr={addr}",
+            f"port={port}",
+            "# torchft's Lighthouse (quorum of the replica groups), on the first node's address only; it and the",
+            "# groups' servers are not authenticated: run on a trusted network (docs/live-recovery.md).",
+            'torchft_lighthouse --bind "$lighthouse_addr:$port" --min_replicas 1 --join_timeout_ms 1000 '
+            "--heartbeat_timeout_ms 5000 &",
+            "lighthouse=$!",
+            "trap 'kill \"$lighthouse\" 2>/dev/null || true' EXIT",
+            "# FaultTolerant's commits (default <default_root_dir>/ft_commits) must be on a filesystem every",
+            "# node sees; a requeued run resumes from the newest one by itself.",
+        ]
+
+    def _fault_tolerant_command(self) -> list[str]:
+        """One replica group per node: its id is the node's (``$SLURM_NODEID``, expanded in the task),
+        its address the one that reaches the Lighthouse (``--host auto``)."""
+        cmd, python = self.command, "python"
+        if _is_python(cmd[0]):
+            python, cmd = cmd[0], cmd[1:]
+        if not cmd or (cmd[0].startswith("-") and cmd[0] != "-m"):
+            raise ValueError(
+                f"the training command {shlex.join(self.command)!r}: {self.strategy} runs a Python script "
+                "in each replica group's standby; accepted: python script.py [args] or python -m module [args]"
+            )
+        group = (
+            f'exec {shlex.quote(python)} -m lightning_dist.launch.fault_tolerant --group "$SLURM_NODEID" '
+            f'--lighthouse "$0" --host auto --max-restarts {self.max_restarts} -- "$@"'
+        )
+        return ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "bash", "-c", group,
+                _Raw('"http://$lighthouse_addr:$port"'), *cmd]  # fmt: skip
+
     def render(self) -> str:
         from lightning_dist import __version__
 
@@ -741,6 +795,7 @@ class SlurmJob:
             "srun-pmi2": "srun --mpi=pmi2 starts one MPI job of all ranks (Horovod)",
             "mpirun": "mpirun starts one MPI job of all ranks over the job's nodes (Horovod; no PMIx in srun)",
             "torchrun": "one torchrun per node; c10d rendezvous on the first node (Elastic)",
+            "fault_tolerant": "torchft's Lighthouse on the first node, one replica group per node (FaultTolerant)",
         }[self.launch]
         lines = [
             "#!/bin/bash",
@@ -760,7 +815,7 @@ class SlurmJob:
                 *self.setup,
                 "set -u",
             ]
-        if self.requeue and family != "elastic":
+        if self.requeue and family not in ("elastic", "fault_tolerant"):
             who = (
                 "the batch shell gets SIGUSR1 and forwards it to mpirun, which passes it to every rank"
                 if self.launch == "mpirun"
@@ -772,7 +827,7 @@ class SlurmJob:
                 "# the requeued run's Trainer.fit() resumes from the newest hpc_ckpt_*.ckpt by itself, so keep",
                 "# default_root_dir (default: the working directory) the same across runs.",
             ]
-        if self.master_addr is not None and family != "elastic":
+        if self.master_addr is not None and family not in ("elastic", "fault_tolerant"):
             lines.append(f"export MASTER_ADDR={self.master_addr}")
         if self.port is not None and family == "ddp":
             lines.append(f"export MASTER_PORT={self.port}")
@@ -792,14 +847,16 @@ class SlurmJob:
                 "# Elastic's commits (default <default_root_dir>/elastic_commits) must be on a filesystem every",
                 "# node sees; a requeued run resumes from the newest one by itself.",
             ]
+        if self.launch == "fault_tolerant":
+            lines += self._lighthouse_lines()
         launch = words(self.launch_command())
         if not (self.requeue and self._batch_signal()):
             lines.append(launch)
             return "\n".join(lines) + "\n"
-        if self.launch == "torchrun":
+        if self.launch in ("torchrun", "fault_tolerant"):
             lines += [
                 "on_signal() {",
-                '  echo "lightning-dist: SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID; Elastic resumes from its last commit"',
+                f'  echo "lightning-dist: SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID; {self.kind.name} resumes from its last commit"',
                 '  scontrol requeue "$SLURM_JOB_ID"',
                 "}",
             ]
@@ -857,7 +914,8 @@ processes) of each node, one rank per device: #SBATCH --ntasks-per-node and, wit
 --gpus-per-node. How the ranks start depends on the strategy: DDP/Compressed: `srun
 --ntasks-per-node=DEVICES` (the Trainer has devices=DEVICES, num_nodes=NODES); Horovod/HorovodAdasum:
 one MPI job (`srun --mpi=pmix`, else mpirun; the Trainer has devices=1); Elastic: one torchrun per
-node with a c10d rendezvous on the first node.
+node with a c10d rendezvous on the first node; FaultTolerant: torchft's Lighthouse on the first node
+and one replica group per node (--devices 1).
 Say things once (--trainer-flags): when TRAINING_COMMAND runs the package's trainer
 (examples/train.py, python -m lightning_dist.workload.train), the --strategy, --devices,
 --accelerator and (DDP family) --num-nodes it leaves out are appended from these options, and these
@@ -957,7 +1015,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "--strategy",
         default=None,
         help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_horovod, ld_horovod_adasum, ld_elastic, "
-        "a class name (DDP, Compressed, Horovod, HorovodAdasum, Elastic), 'lightning_dist:Class(kw=...)' or "
+        "ld_fault_tolerant, a class name (DDP, Compressed, Horovod, HorovodAdasum, Elastic, FaultTolerant), "
+        "'lightning_dist:Class(kw=...)' or "
         "Lightning's ddp; decides how the ranks start; "
         + from_command.format(flag="--strategy", default="ld_ddp"),
     )

@@ -1,10 +1,11 @@
 """One replica group of a FaultTolerant run (under torchrun, started by tests/test_fault_tolerant.py).
 
-Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_FAIL (``group:step[,group:step]``: that
-group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
-``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training alone sleeps FT_SLEEP
-per slot until the restart FT_AWAIT names has rejoined),
-FT_TIMEOUT (the strategy's timeout_s), FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
+Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_GROUPS (replica groups, default 2),
+FT_FAIL (``group:step[,group:step]``: that group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
+``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
+FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
+FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted worker waits first),
+FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_COMPRESSOR and
 FT_COMPRESSOR_OPTIONS (``FaultTolerant(compressor=..., **options)``, the options as JSON),
 FT_DROP_RESIDUAL (``group:step``: that group's error-feedback residuals are zeroed at that step's
@@ -40,6 +41,7 @@ from lightning_dist.strategies.fault_tolerant_compression import without_residua
 
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])
+GROUPS = int(os.environ.get("FT_GROUPS", "2"))
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FAIL", "").split(",") if item}
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
@@ -47,7 +49,7 @@ PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 """Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
 DROP = os.environ.get("FT_DROP_RESIDUAL", "")
 AWAIT = os.environ.get("FT_AWAIT", "")
-"""``group:attempt``: a group training alone sleeps FT_SLEEP per slot until that attempt has rejoined."""
+"""``group:attempt``: a group training without all groups sleeps FT_SLEEP per slot until that attempt has rejoined."""
 
 
 def awaited() -> bool:
@@ -67,8 +69,8 @@ class Regression(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
         time.sleep(PAUSE)
-        if SLEEP and self.trainer.strategy.participants < 2 and awaited():  # type: ignore[attr-defined]
-            time.sleep(SLEEP)  # a lone group slows down until the restarted one has rejoined
+        if SLEEP and self.trainer.strategy.participants < GROUPS and awaited():  # type: ignore[attr-defined]
+            time.sleep(SLEEP)  # groups short of one slow down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> dict:
@@ -151,6 +153,8 @@ class Record(L.Callback):
 def main() -> None:
     with open(OUT / f"pids_{GROUP}.txt", "a") as fh:
         fh.write(f"{ATTEMPT} {os.getpid()}\n")
+    if ATTEMPT:  # a slower restart (FT_RESTART_PAUSE s): the others train some steps without this group
+        time.sleep(float(os.environ.get("FT_RESTART_PAUSE", "0")))
     n = 512
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
@@ -170,7 +174,7 @@ def main() -> None:
             compression=wire,
         )
     strategy = kind(
-        replica_groups=2,
+        replica_groups=GROUPS,
         global_batch=16,
         timeout_s=float(os.environ.get("FT_TIMEOUT", "10")),
         commit_every=int(os.environ.get("FT_COMMIT_EVERY", "10")),
