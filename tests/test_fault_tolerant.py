@@ -299,7 +299,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)  # at least twice the runs fixture's 240 s budget
 def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing_is_lost(runs: dict) -> None:
     """Group 1 dies at step 4 and its first restart dies while recovering; the second restart
     rejoins. Group 0 never restarts, trains alone meanwhile, and the run ends on the fault-free run's
@@ -318,7 +318,7 @@ def test_sigkill_then_kill_during_recovery_others_keep_their_process_and_nothing
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)  # at least twice the runs fixture's 240 s budget
 def test_three_groups_the_two_survivors_take_over_the_killed_groups_slots(runs: dict) -> None:
     """3 replica groups, group 1 SIGKILLed at step 4: groups 0 and 2 keep their processes and train
     its slots between them (quorums of 2) until its restart rejoins at the quorum's step; every
@@ -344,7 +344,7 @@ def test_three_groups_the_two_survivors_take_over_the_killed_groups_slots(runs: 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)  # at least twice the runs fixture's 240 s budget
 def test_stopped_group_and_lighthouse_restart_restart_nobody(runs: dict) -> None:
     """A group stopped past the timeout is left out of the quorum and heals from its peer when it
     continues (same process); a Lighthouse down for 2 s and started again is retried, not fatal."""
@@ -362,7 +362,7 @@ def test_stopped_group_and_lighthouse_restart_restart_nobody(runs: dict) -> None
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)  # at least twice the runs fixture's 240 s budget
 def test_whole_job_ended_resumes_from_its_commit(runs: dict) -> None:
     """Both groups ended at step 17: the job started again resumes from the commit of step 10 (at
     most commit_every=10 steps redone, on the same samples) and ends on the fault-free weights."""

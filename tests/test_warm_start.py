@@ -52,7 +52,7 @@ def _standby(tmp_path: Path, arg: str) -> tuple[int, dict, int]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    stdout, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=60)
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     assert lines, f"the worker printed nothing; stderr:\n{stderr[-3000:]}"
     return proc.returncode, json.loads(lines[-1]), proc.pid
