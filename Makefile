@@ -20,7 +20,7 @@ TEST_ENV := PATH="$(abspath $(VENV))/bin:$$PATH" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_A
 
 # everything (what CI runs): trainings in child processes, mpirun/horovodrun, torchrun, SLURM, notebooks
 test: setup
-	$(TEST_ENV) $(PY) -m pytest -q -n 2 --dist loadgroup --durations=30
+	$(TEST_ENV) $(PY) -m pytest -q --durations=30
 
 # pure and threaded tests only (no child processes; tests/conftest.py fails one that starts any)
 test-fast: setup

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import _posixsubprocess
 import contextlib
-import json
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import helpers
 import pytest
 import shared_runs
-from filelock import FileLock
 
 
 @contextlib.contextmanager
@@ -45,19 +43,6 @@ def _no_child_processes(nodeid: str) -> Iterator[None]:
         mp.setattr(os, "posix_spawnp", refuse)
         mp.setattr(os, "system", refuse)
         yield
-
-
-ONE_AT_A_TIME = ("test_bench_cluster", "test_netns", "test_slurm", "test_slurm_check", "test_slurm_two_nodes")
-"""Files that bring up emulated nodes (network namespaces) or the local SLURM nodes: one machine-wide
-setup each, so under pytest-xdist they share one worker (group "machine") and never overlap."""
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group each test for ``pytest -n N --dist loadgroup`` (``make test``): a file's tests stay on
-    one worker (its module fixtures run once), the ``ONE_AT_A_TIME`` files all on one."""
-    for item in items:
-        stem = item.path.stem
-        item.add_marker(pytest.mark.xdist_group("machine" if stem in ONE_AT_A_TIME else stem))
 
 
 @pytest.hookimpl(wrapper=True)
@@ -81,36 +66,19 @@ def pytest_timeout_cancel_timer(item: pytest.Item) -> Any:
     return (yield)
 
 
-def _once(
-    factory: pytest.TempPathFactory, name: str, make: Callable[[Path], dict[str, Path]]
-) -> dict[str, Path]:
-    """``make(folder)``, run once per test session: under pytest-xdist the first worker that asks
-    runs it (the others wait on a lock) and every worker reads the same result."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return make(factory.mktemp(name))
-    root = factory.getbasetemp().parent  # this session's folder, shared by its workers
-    with FileLock(str(root / f"{name}.lock")):
-        done = root / f"{name}.json"
-        if done.exists():
-            return {key: Path(path) for key, path in json.loads(done.read_text()).items()}
-        result = make(root / name)
-        done.write_text(json.dumps({key: str(path) for key, path in result.items()}))
-        return result
-
-
 @pytest.fixture(scope="session")
 def shared_popen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``shared_runs.POPEN`` and ``POPEN_FILES``: name -> the run's folder (or file)."""
-    return _once(tmp_path_factory, "shared_popen", shared_runs.popen)
+    return shared_runs.popen(tmp_path_factory.mktemp("shared_popen"))
 
 
 @pytest.fixture(scope="session")
 def shared_torchrun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``shared_runs.TORCHRUN``: name -> the run's folder."""
-    return _once(tmp_path_factory, "shared_torchrun", shared_runs.torchrun)
+    return shared_runs.torchrun(tmp_path_factory.mktemp("shared_torchrun"))
 
 
 @pytest.fixture(scope="session")
 def shared_mpirun(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """``shared_runs.MPIRUN`` and ``MPIRUN_FILES`` (skipped without Horovod or mpirun)."""
-    return _once(tmp_path_factory, "shared_mpirun", shared_runs.mpirun)
+    return shared_runs.mpirun(tmp_path_factory.mktemp("shared_mpirun"))
