@@ -291,8 +291,15 @@ def compressed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     launches = {
         "reference": ft.launch(dirs["reference"], steps=STEPS, **env),
         "dropped": ft.launch(dirs["dropped"], steps=STEPS, FT_DROP_RESIDUAL=f"1:{KILL_STEP}", **env),
+        # cold restart: a warm one can be back within the killed step, and the survivor must train alone
         "kill": ft.launch(
-            dirs["kill"], steps=STEPS, FT_FAIL=f"1:{KILL_STEP}", FT_SLEEP="2.0", FT_AWAIT="1:1", **env
+            dirs["kill"],
+            steps=STEPS,
+            warm=False,
+            FT_FAIL=f"1:{KILL_STEP}",
+            FT_SLEEP="2.0",
+            FT_AWAIT="1:1",
+            **env,
         ),
     }
     try:
