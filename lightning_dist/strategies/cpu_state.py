@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
 
-def to_cpu(tree: Any) -> Any:
-    """``tree`` with every tensor detached and on the CPU (dicts, lists and tuples walked)."""
+def map_tensors(tree: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``tree`` with ``fn`` applied to every tensor (dicts, lists and tuples walked, the rest kept)."""
     if isinstance(tree, Tensor):
-        return tree.detach().cpu()
+        return fn(tree)
     if isinstance(tree, dict):
-        return {k: to_cpu(v) for k, v in tree.items()}
+        return {k: map_tensors(v, fn) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(to_cpu(v) for v in tree)
+        return type(tree)(map_tensors(v, fn) for v in tree)
     return tree
+
+
+def to_cpu(tree: Any) -> Any:
+    """``tree`` with every tensor detached and on the CPU."""
+    return map_tensors(tree, lambda t: t.detach().cpu())

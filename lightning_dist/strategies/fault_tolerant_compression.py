@@ -33,6 +33,7 @@ from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor
 from lightning_dist.compression.packing import unflatten
+from lightning_dist.strategies.cpu_state import map_tensors
 
 PER_GROUP = ("residual", "momentum")
 """The names of a key's state entries that are this group's own (everything else is shared)."""
@@ -42,18 +43,8 @@ KEY = "grads"
 
 def _map_per_group(state: dict[str, Any], fn: Callable[[Tensor], Tensor]) -> dict[str, Any]:
     """A copy of a ``Compressor.state_dict()`` with ``fn`` applied to every per-group tensor."""
-
-    def apply(tree: Any) -> Any:
-        if isinstance(tree, Tensor):
-            return fn(tree)
-        if isinstance(tree, dict):
-            return {k: apply(v) for k, v in tree.items()}
-        if isinstance(tree, list):
-            return [apply(v) for v in tree]
-        return tree
-
     keys = {
-        key: {name: apply(value) if name in PER_GROUP else value for name, value in entry.items()}
+        key: {name: map_tensors(value, fn) if name in PER_GROUP else value for name, value in entry.items()}
         for key, entry in state["keys"].items()
     }
     return {**state, "keys": keys}
