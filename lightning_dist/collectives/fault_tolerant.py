@@ -166,6 +166,39 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
     return SafeHTTPTransport()
 
 
+def _bound_gloo_group(timeout: timedelta, host: str) -> Any:
+    """torchft's reconfigurable ``ProcessGroupGloo`` whose Gloo connections listen on ``host``
+    (torch's default Gloo device takes the address the machine's host name resolves to, or
+    ``$GLOO_SOCKET_IFNAME``'s, whatever network the job uses)."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroupGloo as GlooBackend
+    from torchft.process_group import ProcessGroupGloo
+
+    class BoundProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
+        """torchft's ``_create_pg`` for Gloo with the device bound to ``host``."""
+
+        @override
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            options = cast(Any, GlooBackend)._Options()
+            options._timeout = self._timeout
+            options._devices = [GlooBackend.create_device(hostname=host)]
+            backend = GlooBackend(store, rank, world_size, options)
+            backend._set_sequence_number_for_group()
+            if self._global_ranks:
+                backend.options.global_ranks_in_group = self._global_ranks
+            if self._group_rank and self._group_world_size:
+                lane = self._group_rank % self._group_world_size
+                cast(Any, backend.options).group_name = f"torchft_quorum_{self._quorum_id}_rank_{lane}"
+            pg = ProcessGroup(store, rank, world_size)
+            pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+            pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+            if torch.cuda.is_available():
+                pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.GLOO, backend)
+            return pg
+
+    return BoundProcessGroupGloo(timeout=timeout)
+
+
 @contextlib.contextmanager
 def _manager_server_on(host: str) -> Iterator[None]:
     """While torchft's ``Manager`` is built, its ``ManagerServer`` (rank 0's quorum server) binds to
@@ -348,14 +381,14 @@ class FaultTolerantTransport:
     ) -> None:
         require_torchft()
         from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.process_group import ProcessGroupNCCL
 
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         self._model_state = model_state
         self.store: Optional[torch.distributed.TCPStore] = None
         store_addr, store_port = self._store_address(host)
-        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else _bound_gloo_group(timeout, host)
         self.checkpoint_transport = _safe_http_transport(timeout, host)
         with _manager_server_on(host):
             self.manager = Manager(
