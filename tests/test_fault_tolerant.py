@@ -144,6 +144,18 @@ def test_checkpoint_server_listens_on_the_given_host_and_loads_weights_only() ->
         transport.shutdown(wait=True)
 
 
+def test_checkpoint_server_stops_without_waiting_and_leaves_nothing_polling() -> None:
+    """``shutdown(wait=False)`` (what the Manager calls) ends the server's loop and closes its socket
+    (torchft's sets a flag its server never reads: the loop polled on, a core's worth once the
+    socket was closed)."""
+    transport = _safe_http_transport(timedelta(seconds=10), "127.0.0.1")
+    port = transport._server.socket.getsockname()[1]
+    transport.shutdown(wait=False)
+    transport._thread.join(5)
+    assert not transport._thread.is_alive()
+    assert ft.listening(port) == []
+
+
 def _routable_address() -> str:
     """An IPv4 address of this machine other than loopback (skips the test when there is none)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

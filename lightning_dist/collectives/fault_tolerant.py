@@ -152,6 +152,18 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
             self._thread.start()
 
         @override
+        def _serve(self) -> None:
+            super()._serve()
+            self._server.server_close()  # once its loop has ended: nothing polls a closed socket
+
+        @override
+        def shutdown(self, wait: bool = True) -> None:
+            # torchft's wait=False sets a name-mangled flag the server never reads, so its loop ran on
+            setattr(self._server, "_BaseServer__shutdown_request", True)  # noqa: B010
+            if wait:
+                self._thread.join()
+
+        @override
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             shown = f"[{host}]" if ":" in host else host
@@ -478,5 +490,4 @@ class FaultTolerantTransport:
 
     def shutdown(self) -> None:
         self.communicator.close()
-        self.manager.shutdown(wait=False)
-        cast(Any, self.checkpoint_transport)._server.server_close()
+        self.manager.shutdown(wait=False)  # the checkpoint server's thread ends within its poll interval
