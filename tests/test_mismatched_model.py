@@ -11,7 +11,6 @@ import importlib.util
 import json
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -137,9 +136,9 @@ def test_every_rank_gets_the_error(tmp_path: Path, strategy: str, mismatch: str,
     out = tmp_path / strategy
     cmd = [*launcher, str(SCRIPTS / "mismatched_model.py"), "--strategy", strategy,
            "--mismatch", mismatch, "--out", str(out)]  # fmt: skip
-    start = time.monotonic()
-    proc = run_command(cmd, BUDGET_S)  # a hang fails here, with the ranks' output
-    took = time.monotonic() - start
+    # a hang fails here, with the ranks' output; the ValueError on every rank below is the mismatch
+    # found before any collective waits (not a collective's timeout)
+    proc = run_command(cmd, BUDGET_S)
     log = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert proc.returncode != 0, log
     owner = OWNER.get(strategy, "HorovodAdasum")
@@ -150,4 +149,3 @@ def test_every_rank_gets_the_error(tmp_path: Path, strategy: str, mismatch: str,
         assert got["type"] == "ValueError", (rank, got)
         assert got["message"].startswith(f"{owner}: the model differs between ranks"), (rank, got)
         assert EXPECTED[mismatch] in got["message"] and HINT in got["message"], (rank, got)
-    assert took < 45, f"the error took {took:.0f}s"
