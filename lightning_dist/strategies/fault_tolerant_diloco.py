@@ -65,7 +65,13 @@ from lightning_dist.strategies.diloco import (
     inner_parameters,
 )
 from lightning_dist.strategies.diloco_outer import OuterSGD
-from lightning_dist.strategies.fault_tolerant import FaultTolerant, StepRecord, _hyperparameters, owns_slot
+from lightning_dist.strategies.fault_tolerant import (
+    FaultTolerant,
+    StepRecord,
+    _hyperparameters,
+    group_place,
+    owns_slot,
+)
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
     FaultTolerantDiLoCoOptions,
@@ -146,6 +152,17 @@ class FaultTolerantDiLoCo(FaultTolerant):
     @classmethod
     def _accepted_options(cls) -> list[str]:
         return [*option_names(DiLoCoOptions, FaultTolerantDiLoCoOptions), *FAULT_TOLERANT_ARGUMENTS]
+
+    @override
+    def setup_environment(self) -> None:
+        size, _ = group_place()
+        if size != 1:
+            raise ValueError(
+                f"{OWNER}: WORLD_SIZE={size}: {OWNER} runs one process per replica group (its inner steps and "
+                "syncs are one process's; FaultTolerant takes several); accepted: WORLD_SIZE=1 "
+                "(torchrun --nproc-per-node=1, --nproc-per-group 1, lightning-dist slurm --devices 1)"
+            )
+        super().setup_environment()
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

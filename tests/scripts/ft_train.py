@@ -1,8 +1,8 @@
 """One replica group of a FaultTolerant run (under torchrun, started by tests/test_fault_tolerant.py).
 
 Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_GROUPS (replica groups, default 2),
-FT_FAIL (``group:step[,group:step]``: that group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
-``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
+FT_FAIL (``group:step[:rank][,...]``: that group's worker (its process ``rank``, default 0) SIGKILLs itself at
+the start of that step, on its first attempt only: torchft's ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
 FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted worker waits first),
 FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
@@ -13,7 +13,8 @@ start, what a group killed there loses), FT_INNER=sgd (plain SGD instead of Adam
 (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT, FT_DILOCO_COMPRESSION; it also writes
 ``syncs_<g>.jsonl``: the checksum of each sync's state, and ``starts_<g>.jsonl``: each period started
 from a loaded state, its sync and the checksum of what was loaded).
-Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+Writes, per group (per process ``<g>.<rank>`` for the group's ranks > 0, under ``--nproc-per-node`` > 1):
+``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step), ``final_<g>.pt`` (the weights at the end) and, with a compressor, ``handoffs_<g>_<attempt>.pt``
 (the compressor state it sent to or received from a peer, ``Handoff`` as dicts).
@@ -42,8 +43,11 @@ from lightning_dist.strategies.fault_tolerant_compression import without_residua
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])
 GROUPS = int(os.environ.get("FT_GROUPS", "2"))
+RANK = int(os.environ.get("RANK", "0"))
+NAME = str(GROUP) if RANK == 0 else f"{GROUP}.{RANK}"
+"""This process's file names: its group's, and its rank in the group beyond rank 0."""
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FAIL", "").split(",") if item}
+FAIL = {(*map(int, item.split(":")), 0)[:3] for item in os.environ.get("FT_FAIL", "").split(",") if item}
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
 PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 """Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
@@ -90,7 +94,7 @@ class Record(L.Callback):
         self.written = 0
         self.last: int | None = None
         self.synced = self.started = 0
-        self.file = open(OUT / f"steps_{GROUP}.jsonl", "a")  # noqa: SIM115
+        self.file = open(OUT / f"steps_{NAME}.jsonl", "a")  # noqa: SIM115
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx
@@ -101,7 +105,7 @@ class Record(L.Callback):
             self.write_syncs(strategy)
         if (
             ATTEMPT == 0
-            and (GROUP, trainer.global_step) in FAIL
+            and (GROUP, trainer.global_step, RANK) in FAIL
             and strategy.owns(batch.index % strategy.slots_per_step)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -138,10 +142,10 @@ class Record(L.Callback):
         if strategy.syncs != self.synced:
             self.synced = strategy.syncs
             row = {"sync": self.synced, "crc": state_checksum(strategy.sync_state()), "attempt": ATTEMPT}
-            with open(OUT / f"syncs_{GROUP}.jsonl", "a") as fh:
+            with open(OUT / f"syncs_{NAME}.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
         for sync, crc in strategy.starts[self.started :]:
-            with open(OUT / f"starts_{GROUP}.jsonl", "a") as fh:
+            with open(OUT / f"starts_{NAME}.jsonl", "a") as fh:
                 fh.write(json.dumps({"sync": sync, "crc": crc, "attempt": ATTEMPT}) + "\n")
         self.started = len(strategy.starts)
 
@@ -151,7 +155,7 @@ class Record(L.Callback):
 
 
 def main() -> None:
-    with open(OUT / f"pids_{GROUP}.txt", "a") as fh:
+    with open(OUT / f"pids_{NAME}.txt", "a") as fh:
         fh.write(f"{ATTEMPT} {os.getpid()}\n")
     if ATTEMPT:  # a slower restart (FT_RESTART_PAUSE s): the others train some steps without this group
         time.sleep(float(os.environ.get("FT_RESTART_PAUSE", "0")))
@@ -196,12 +200,12 @@ def main() -> None:
     )
     module = Regression()
     trainer.fit(module, DataLoader(data, batch_size=4))
-    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"final_{GROUP}.pt")
+    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"final_{NAME}.pt")
     if strategy.compression is not None:
         handoffs = [asdict(h) for h in strategy.compression.handoffs]
-        torch.save(handoffs, OUT / f"handoffs_{GROUP}_{ATTEMPT}.pt")
+        torch.save(handoffs, OUT / f"handoffs_{NAME}_{ATTEMPT}.pt")
     print(
-        f"group {GROUP} done at step {trainer.global_step}: {strategy.uncommitted_steps} uncommitted",
+        f"group {NAME} done at step {trainer.global_step}: {strategy.uncommitted_steps} uncommitted",
         flush=True,
     )
 
