@@ -441,6 +441,7 @@ class FaultTolerantTransport:
                 checkpoint_transport=self.checkpoint_transport,
                 quorum_retries=quorum_retries,
             )
+        self._checked_quorum: Optional[int] = None
         self._quorums = _QuorumRecorder(self.manager._client)
         self.manager._client = self._quorums
         self.communicator = Communicator(ManagedBackend(self.manager))
@@ -512,18 +513,23 @@ class FaultTolerantTransport:
             return value
         return int(self.group.broadcast(torch.tensor([value], dtype=torch.int64), 0).item())
 
-    def check_group_size(self) -> bool:
-        """Whether every group of the quorum has this group's number of processes, checked by a
-        Manager all-reduce of it on each lane; ``ValueError`` when they differ. False when it could
-        not be checked (the step failed, or this group does not participate): check again later."""
+    def check_group_size(self) -> None:
+        """On the first call in each new quorum (every group of the quorum makes it at the same
+        point: a collective): whether every group has this group's number of processes, by a Manager
+        all-reduce of it on each lane; ``ValueError`` when they differ. Nothing is checked when the
+        step has already failed or this group does not participate."""
         from torch.distributed import ReduceOp
 
+        quorum = self._quorums.last
+        if quorum is None or quorum.quorum_id == self._checked_quorum:
+            return
+        self._checked_quorum = quorum.quorum_id
         if self.participant_rank is None or self.errored:
-            return False
+            return
         sizes = torch.tensor([float(self.group_size), 1.0])
         self.manager.allreduce(sizes, reduce_op=ReduceOp.SUM).wait()
         if self.errored:
-            return False
+            return
         total, groups = int(sizes[0].item()), int(sizes[1].item())
         if total != groups * self.group_size:
             raise ValueError(
@@ -532,7 +538,6 @@ class FaultTolerantTransport:
                 "group must run the same number of processes; accepted: the same --nproc-per-node "
                 "(--nproc-per-group) in every group"
             )
-        return True
 
     @property
     def step(self) -> int:

@@ -189,6 +189,9 @@ class FaultTolerant(SingleDeviceStrategy):
     """
 
     strategy_name = "ld_fault_tolerant"
+    checks_group_sizes = True
+    """Whether each new quorum's first step checks that every group has as many processes as this
+    one (a collective: every group of a quorum must make it at the same point of its step)."""
 
     def __init__(
         self,
@@ -247,7 +250,6 @@ class FaultTolerant(SingleDeviceStrategy):
         """This process's rank in its replica group (``RANK`` under torchrun)."""
         self._group_size = 1
         """The replica group's processes (``WORLD_SIZE`` under torchrun)."""
-        self._sizes_checked = False
         self._participants = 1
         self._rank: Optional[int] = None
         self._step_indices: list[int] = []
@@ -540,8 +542,8 @@ class FaultTolerant(SingleDeviceStrategy):
         ):
             time.sleep(0.1)
             self.transport.start_step()
-        if not self._sizes_checked:
-            self._sizes_checked = self.transport.check_group_size()
+        if self.checks_group_sizes:
+            self.transport.check_group_size()
         if wait and self.transport.participants < start_groups:
             logger.warning(
                 "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",

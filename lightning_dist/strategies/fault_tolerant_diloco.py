@@ -118,6 +118,9 @@ class FaultTolerantDiLoCo(FaultTolerant):
     """
 
     strategy_name = "ld_fault_tolerant_diloco"
+    checks_group_sizes = False
+    """One process per group (``setup_environment``); and groups waiting at a sync form quorums
+    outside a step's start, where no check could be made at the same point by every group."""
 
     def __init__(self, inner_steps: int = 500, rejoin_timeout_s: float = 60.0, **options: Any) -> None:
         accepted = self._accepted_options()
