@@ -172,8 +172,13 @@ def test_slurm_script_starts_a_lighthouse_and_one_warm_group_per_node() -> None:
         "lighthouse_addr=10.0.0.1" in named.render()
         and '-- "$@"\' "http://$lighthouse_addr:$port" -m pkg.train' in named.render()
     )
+    # --devices G: G processes per group (tests/test_fault_tolerant_groups.py); DiLoCo's groups are one
+    assert (
+        "--nproc-per-group 2 "
+        in SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant").render()
+    )
     with pytest.raises(ValueError, match="--devices=2"):
-        SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant")
+        SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant_diloco")
     with pytest.raises(ValueError, match="python script.py"):
         SlurmJob(["python", "-u", "train.py"], nodes=2, strategy="ld_fault_tolerant").render()
 
