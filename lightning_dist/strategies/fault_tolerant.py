@@ -2,6 +2,8 @@
 
     python -m lightning_dist.launch.fault_tolerant --groups 2 -- train.py   # one box: Lighthouse + torchruns
     # train.py: L.Trainer(strategy=FaultTolerant(replica_groups=2), max_steps=1000)
+    python -m lightning_dist.launch.fault_tolerant --groups 2 --nproc-per-group 4 -- train.py  # 4 per group
+    lightning-dist slurm --nodes 4 --devices 8 --strategy ld_fault_tolerant -- python train.py  # a group a node
 
 Each replica group is one torchrun (``--max-restarts``) of one or more processes; torchft's Lighthouse
 forms a quorum of the live groups at every step, torchft's Manager reconfigures the Gloo (NCCL on
