@@ -5,7 +5,10 @@ a Lighthouse and one torchrun per replica group (``launch``/``finish``), and wha
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -53,6 +56,31 @@ def launch(
         stderr=subprocess.STDOUT,
     )
     return lighthouse, procs
+
+
+def start_launcher(out: Path, *flags: str, **env: str) -> subprocess.Popen:
+    """The one-box launcher's command line (``python -m lightning_dist.launch.fault_tolerant``) with
+    ``flags``, running the test script into ``out`` (its log: ``out / "log.txt"``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", *flags, "--", str(SCRIPT)],
+        env=child_env(FT_OUT=str(out), **env),
+        stdout=open(out / "log.txt", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def end_launcher(proc: subprocess.Popen) -> None:
+    """End a launcher that is still running: it ends its replica groups, then itself (killed, with
+    its session, if it takes longer than 30 s)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def finish(started: Launch, out: Path, timeout: float) -> None:

@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -259,14 +258,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         daemon=True,
     )
     restarter.start()
-    dirs["reference"].mkdir()
-    reference = subprocess.Popen(  # the fault-free run, through the one-box launcher's command line
-        [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--max-restarts", "0",
-         "--heartbeat-timeout-ms", "1000", "--cold", "--", str(SCRIPT)],
-        env=child_env(FT_OUT=str(dirs["reference"]), FT_STEPS=str(STEPS)),
-        stdout=open(dirs["reference"] / "log.txt", "w"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    reference = ft.start_launcher(  # the fault-free run, through the one-box launcher's command line
+        dirs["reference"], "--groups", "2", "--max-restarts", "0", "--heartbeat-timeout-ms", "1000", "--cold",
+        FT_STEPS=str(STEPS),
     )  # fmt: skip
     actor = threading.Thread(
         target=_stop_then_restart_lighthouse, args=(dirs["stop"], launches["stop"][0], events), daemon=True
@@ -289,13 +283,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if "again" in started:
             stop_groups(started["again"][1])
             started["again"][0].shutdown()
-        if reference.poll() is None:
-            reference.terminate()  # the launcher ends its replica groups, then itself
-            try:
-                reference.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(reference.pid, signal.SIGKILL)
-                reference.wait()
+        ft.end_launcher(reference)
         for launch in launches.values():  # a failed finish leaves the others: end them too
             stop_groups(launch[1])
             launch[0].shutdown()

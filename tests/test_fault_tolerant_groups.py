@@ -10,16 +10,12 @@ differs by an ulp or so a step and Adam carries that on.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
 import time
 from typing import Any
 
 import ft_harness as ft
 import pytest
-from helpers import child_env
 
 pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
 
@@ -133,14 +129,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             dirs["kill"], steps=STEPS, nproc_per_group=2, FT_FAIL="1:4:1", FT_SLEEP="0.5", FT_AWAIT="1:1"
         ),
     }
-    dirs["groups"].mkdir()
-    groups = subprocess.Popen(
-        [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--nproc-per-group", "2",
-         "--max-restarts", "0", "--heartbeat-timeout-ms", "1000", "--", str(ft.SCRIPT)],
-        env=child_env(FT_OUT=str(dirs["groups"]), FT_STEPS=str(STEPS)),
-        stdout=open(dirs["groups"] / "log.txt", "w"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    groups = ft.start_launcher(
+        dirs["groups"], "--groups", "2", "--nproc-per-group", "2", "--max-restarts", "0",
+        "--heartbeat-timeout-ms", "1000", FT_STEPS=str(STEPS),
     )  # fmt: skip
     seconds: dict[str, float] = {}
     try:
@@ -155,13 +146,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             ft.finish(launches[name], dirs[name], timeout=max(1.0, BUDGET - (time.monotonic() - start)))
             seconds[name] = time.monotonic() - start
     finally:
-        if groups.poll() is None:
-            groups.terminate()  # the launcher ends its replica groups, then itself
-            try:
-                groups.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(groups.pid, signal.SIGKILL)
-                groups.wait()
+        ft.end_launcher(groups)
         for launch in launches.values():
             stop_groups(launch[1])
             launch[0].shutdown()
