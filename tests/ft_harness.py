@@ -4,6 +4,7 @@ a Lighthouse and one torchrun per replica group (``launch``/``finish``), and wha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,25 @@ def listening(port: int) -> list[str]:
             local, state = line.split()[1], line.split()[3]
             if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
                 found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def own_listeners() -> set[tuple[str, int]]:
+    """(address hex, port) of every listening TCP socket this process holds (not the machine's)."""
+    fd_dir = Path("/proc/self/fd")
+    inodes = set()
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                addr, port = fields[1].rsplit(":", 1)
+                found.add((addr, int(port, 16)))
     return found
 
 

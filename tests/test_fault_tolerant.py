@@ -29,6 +29,7 @@ from helpers import child_env
 pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
 
 from lightning_dist.collectives.fault_tolerant import (  # noqa: E402
+    _bound_gloo_group,
     _safe_http_transport,
     checked_state,
     stamp_state,
@@ -140,6 +141,57 @@ def test_checkpoint_server_listens_on_the_given_host_and_loads_weights_only() ->
             transport.recv_checkpoint(0, transport.metadata(), 4, timedelta(seconds=10))
     finally:
         transport.shutdown(wait=True)
+
+
+def test_checkpoint_server_stops_without_waiting_and_leaves_nothing_polling() -> None:
+    """``shutdown(wait=False)`` (what the Manager calls) ends the server's loop and closes its socket
+    (torchft's sets a flag its server never reads: the loop polled on, a core's worth once the
+    socket was closed)."""
+    transport = _safe_http_transport(timedelta(seconds=10), "127.0.0.1")
+    port = transport._server.socket.getsockname()[1]
+    transport.shutdown(wait=False)
+    transport._thread.join(5)
+    assert not transport._thread.is_alive()
+    assert ft.listening(port) == []
+
+
+def _routable_address() -> str:
+    """An IPv4 address of this machine other than loopback (skips the test when there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.254", 9))  # no packet is sent: only the route is looked up
+        except OSError:
+            pytest.skip("no non-loopback IPv4 route on this machine")
+        addr = probe.getsockname()[0]
+    if addr.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    return addr
+
+
+def test_gloo_connections_listen_on_the_given_host_only() -> None:
+    """The reconfigurable Gloo group's sockets listen on ``host``, not on the host name's address
+    (torch's default device): two ranks as threads, configured as torchft's Manager configures them."""
+    host = _routable_address()
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    before = ft.own_listeners()
+    groups = [_bound_gloo_group(timedelta(seconds=20), host) for _ in range(2)]
+    sums: list[float] = [0.0, 0.0]
+
+    def rank(r: int) -> None:
+        groups[r].configure(f"127.0.0.1:{store.port}/gloo_bind", f"replica_{r}", r, 2, quorum_id=1)
+        t = torch.tensor([float(r + 1)])
+        groups[r].allreduce([t], torch.distributed.AllreduceOptions()).wait()
+        sums[r] = float(t.item())
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sums == [3.0, 3.0]
+    gloo = ft.own_listeners() - before
+    wanted = socket.inet_aton(host)[::-1].hex().upper()  # /proc/net/tcp's little-endian hex
+    assert gloo and {addr for addr, _ in gloo} == {wanted}, gloo
 
 
 def test_lighthouse_listens_on_the_given_host_only() -> None:

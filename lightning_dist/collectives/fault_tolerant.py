@@ -160,6 +160,18 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
             self._thread.start()
 
         @override
+        def _serve(self) -> None:
+            super()._serve()
+            self._server.server_close()  # once its loop has ended: nothing polls a closed socket
+
+        @override
+        def shutdown(self, wait: bool = True) -> None:
+            # torchft's wait=False sets a name-mangled flag the server never reads, so its loop ran on
+            setattr(self._server, "_BaseServer__shutdown_request", True)  # noqa: B010
+            if wait:
+                self._thread.join()
+
+        @override
         def address(self) -> str:
             port = self._server.socket.getsockname()[1]
             shown = f"[{host}]" if ":" in host else host
@@ -172,6 +184,39 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
                 return _streaming_load(f, weights_only=True)
 
     return SafeHTTPTransport()
+
+
+def _bound_gloo_group(timeout: timedelta, host: str) -> Any:
+    """torchft's reconfigurable ``ProcessGroupGloo`` whose Gloo connections listen on ``host``
+    (torch's default Gloo device takes the address the machine's host name resolves to, or
+    ``$GLOO_SOCKET_IFNAME``'s, whatever network the job uses)."""
+    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroupGloo as GlooBackend
+    from torchft.process_group import ProcessGroupGloo
+
+    class BoundProcessGroupGloo(ProcessGroupGloo):  # type: ignore[misc]
+        """torchft's ``_create_pg`` for Gloo with the device bound to ``host``."""
+
+        @override
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            options = cast(Any, GlooBackend)._Options()
+            options._timeout = self._timeout
+            options._devices = [GlooBackend.create_device(hostname=host)]
+            backend = GlooBackend(store, rank, world_size, options)
+            backend._set_sequence_number_for_group()
+            if self._global_ranks:
+                backend.options.global_ranks_in_group = self._global_ranks
+            if self._group_rank and self._group_world_size:
+                lane = self._group_rank % self._group_world_size
+                cast(Any, backend.options).group_name = f"torchft_quorum_{self._quorum_id}_rank_{lane}"
+            pg = ProcessGroup(store, rank, world_size)
+            pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+            pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+            if torch.cuda.is_available():
+                pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.GLOO, backend)
+            return pg
+
+    return BoundProcessGroupGloo(timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -349,10 +394,12 @@ def _group_store(timeout: timedelta) -> Any:
     )
 
 
-def replica_group(rank: int, size: int, device_type: str, timeout: timedelta) -> tuple[Communicator, Any]:
-    """A ``Communicator`` over a new process group of the replica group's ``size`` processes (Gloo,
-    NCCL for CUDA) on torchrun's store, under a prefix of torchrun's attempt (a restarted group never
-    meets its predecessor's keys), and that store. torchft's keys of an earlier attempt are removed
+def replica_group(
+    rank: int, size: int, device_type: str, timeout: timedelta, host: str
+) -> tuple[Communicator, Any]:
+    """A ``Communicator`` over a new process group of the replica group's ``size`` processes (Gloo
+    listening on ``host``, NCCL for CUDA) on torchrun's store, under a prefix of torchrun's attempt (a
+    restarted group never meets its predecessor's keys), and that process group. torchft's keys of an earlier attempt are removed
     by rank 0 before the others pass the group's first barrier (the Manager is built after it)."""
     store = _group_store(timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -363,7 +410,11 @@ def replica_group(rank: int, size: int, device_type: str, timeout: timedelta) ->
         options._timeout = timeout
         pg: Any = nccl(prefixed, rank, size, options)
     else:
-        pg = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
+        gloo = cast(Any, torch.distributed.ProcessGroupGloo)
+        options = gloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo.create_device(hostname=host)]
+        pg = gloo(prefixed, rank, size, options)
     group = Communicator(TorchBackend(pg))
     if rank == 0:
         for key in _TORCHFT_GROUP_KEYS:
@@ -401,7 +452,7 @@ class FaultTolerantTransport:
     ) -> None:
         require_torchft()
         from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.process_group import ProcessGroupNCCL
 
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
@@ -417,10 +468,10 @@ class FaultTolerantTransport:
         self._group_pg: Any = None
         if self.group_size > 1:
             self.group, self._group_pg = replica_group(
-                self.group_rank, self.group_size, device_type, timeout * 2 + quorum_timeout
+                self.group_rank, self.group_size, device_type, timeout * 2 + quorum_timeout, host
             )
         store_addr, store_port = self._store_address(host)
-        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else _bound_gloo_group(timeout, host)
         self.checkpoint_transport = _safe_http_transport(timeout, host)
         with _manager_server_on(host):
             self.manager = Manager(
@@ -569,5 +620,4 @@ class FaultTolerantTransport:
         if self.group is not None:
             self.group.close()
             self.group = self._group_pg = None
-        self.manager.shutdown(wait=False)
-        cast(Any, self.checkpoint_transport)._server.server_close()
+        self.manager.shutdown(wait=False)  # the checkpoint server's thread ends within its poll interval
