@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +36,19 @@ def listening(port: int) -> list[str]:
             if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
                 found.append(local.rsplit(":", 1)[0])
     return found
+
+
+def routable_address() -> str:
+    """An IPv4 address of this machine other than loopback (skips the test when there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.254", 9))  # no packet is sent: only the route is looked up
+        except OSError:
+            pytest.skip("no non-loopback IPv4 route on this machine")
+        addr = probe.getsockname()[0]
+    if addr.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    return addr
 
 
 def own_listeners() -> set[tuple[str, int]]:

@@ -155,23 +155,10 @@ def test_checkpoint_server_stops_without_waiting_and_leaves_nothing_polling() ->
     assert ft.listening(port) == []
 
 
-def _routable_address() -> str:
-    """An IPv4 address of this machine other than loopback (skips the test when there is none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.254", 9))  # no packet is sent: only the route is looked up
-        except OSError:
-            pytest.skip("no non-loopback IPv4 route on this machine")
-        addr = probe.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("no non-loopback IPv4 address on this machine")
-    return addr
-
-
 def test_gloo_connections_listen_on_the_given_host_only() -> None:
     """The reconfigurable Gloo group's sockets listen on ``host``, not on the host name's address
     (torch's default device): two ranks as threads, configured as torchft's Manager configures them."""
-    host = _routable_address()
+    host = ft.routable_address()
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     before = ft.own_listeners()
     groups = [_bound_gloo_group(timedelta(seconds=20), host) for _ in range(2)]

@@ -10,6 +10,7 @@ differs by an ulp or so a step and Adam carries that on.
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import time
 from typing import Any
@@ -59,6 +60,7 @@ def test_every_sample_of_a_step_has_one_owner_over_groups_and_processes(
 
 def test_lightning_ranks_are_the_group_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Process 1 of a group is Lightning's rank 1 of 2: it writes no checkpoints or logs."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
     from lightning_dist import FaultTolerant
@@ -66,11 +68,11 @@ def test_lightning_ranks_are_the_group_ranks(monkeypatch: pytest.MonkeyPatch) ->
     strategy = FaultTolerant()
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
-    monkeypatch.setattr(type(strategy).__mro__[1], "setup_environment", lambda self: None)
+    monkeypatch.setattr(rank_zero_only, "rank", getattr(rank_zero_only, "rank", 0))  # put back after
+    monkeypatch.setattr(SingleDeviceStrategy, "setup_environment", lambda self: None)  # no accelerator
     strategy.setup_environment()
     assert (strategy.global_rank, strategy.world_size, strategy.is_global_zero) == (1, 2, False)
-    assert rank_zero_only.rank == 1
+    assert getattr(rank_zero_only, "rank", None) == 1  # Lightning's loggers write on rank 0 only
 
 
 @pytest.mark.parametrize(("rank", "world"), [("2", "2"), ("-1", "2"), ("0", "0")])
@@ -110,6 +112,48 @@ def test_launchers_start_g_processes_per_group() -> None:
     assert "#SBATCH --cpus-per-task=4" in script.splitlines()  # the node's task runs the 4 processes
     with pytest.raises(ValueError, match="--devices=2.*accepted: --devices 1"):
         SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant_diloco")
+
+
+def test_a_replica_groups_own_process_group_listens_on_host_and_clears_old_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``replica_group`` on torchrun's store (two ranks as threads): its Gloo connections listen on
+    ``host`` only, its sum covers both ranks, and torchft's keys of an earlier attempt are gone before
+    a Manager could read them (a restarted rank 1 would otherwise join the dead rank 0's server)."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+
+    from lightning_dist.collectives.fault_tolerant import replica_group
+
+    host = ft.routable_address()
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set("manager_addr", "http://dead:1")  # the previous attempt's
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    before = ft.own_listeners()
+    sums, keys, groups = [0.0, 0.0], [True, True], [None, None]
+
+    def rank(r: int) -> None:
+        group, groups[r] = replica_group(r, 2, "cpu", timedelta(seconds=20), host)  # kept: its sockets
+        keys[r] = store.check(["manager_addr"])  # after the group's first barrier
+        sums[r] = float(group.all_reduce(torch.tensor([float(r + 1)]), "sum").item())
+        group.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sums == [3.0, 3.0] and keys == [False, False]
+    gloo = ft.own_listeners() - before
+    wanted = socket.inet_aton(host)[::-1].hex().upper()  # /proc/net/tcp's little-endian hex
+    assert gloo and {addr for addr, _ in gloo} == {wanted}, gloo
+    monkeypatch.delenv("MASTER_ADDR")
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        replica_group(0, 2, "cpu", timedelta(seconds=1), host)
 
 
 # -- slow: whole runs ----------------------------------------------------------------------------------
