@@ -156,6 +156,62 @@ def test_a_replica_groups_own_process_group_listens_on_host_and_clears_old_keys(
         replica_group(0, 2, "cpu", timedelta(seconds=1), host)
 
 
+class _Quorum:
+    """What ``check_group_size`` reads of a quorum, and a Manager whose all-reduce adds the other
+    groups' ``[processes, 1]`` (as their lane's rank would)."""
+
+    def __init__(self, quorum_id: int, others: list[int], error: bool = False) -> None:
+        self.quorum_id, self.others, self.error, self.calls = quorum_id, others, error, 0
+
+    def participating_rank(self) -> int:
+        return 0
+
+    def errored(self) -> Any:
+        return "failed" if self.error else None
+
+    def allreduce(self, tensor: Any, reduce_op: Any) -> Any:
+        import torch
+
+        self.calls += 1
+        for size in self.others:
+            tensor += torch.tensor([float(size), 1.0])
+        return self
+
+    def wait(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("mine", "others", "refused"), [(2, [2], False), (2, [2, 2], False), (2, [1], True), (1, [2], True)]
+)
+def test_groups_of_different_sizes_are_refused_naming_the_option(
+    mine: int, others: list[int], refused: bool
+) -> None:
+    """Each new quorum's first step sums (processes, 1) over the groups on every lane: a group of
+    another size than this one's is a ``ValueError`` naming --nproc-per-node; the check runs once per
+    quorum, and not in a step that has already failed."""
+    from types import SimpleNamespace
+
+    from lightning_dist.collectives.fault_tolerant import FaultTolerantTransport
+
+    fake = _Quorum(7, others)
+    transport = object.__new__(FaultTolerantTransport)
+    transport.manager, transport.group_size, transport._checked_quorum = fake, mine, None
+    transport._quorums = SimpleNamespace(last=fake)  # type: ignore[assignment]
+    if refused:
+        with pytest.raises(ValueError, match="--nproc-per-node"):
+            transport.check_group_size()
+    else:
+        transport.check_group_size()
+        transport.check_group_size()  # the same quorum: not again
+    assert fake.calls == 1
+    failed = _Quorum(8, others, error=True)
+    transport.manager = failed
+    transport._quorums = SimpleNamespace(last=failed)  # type: ignore[assignment]
+    transport.check_group_size()
+    assert failed.calls == 0
+
+
 # -- slow: whole runs ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
