@@ -54,6 +54,10 @@ PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 DROP = os.environ.get("FT_DROP_RESIDUAL", "")
 AWAIT = os.environ.get("FT_AWAIT", "")
 """``group:attempt``: a group training without all groups sleeps FT_SLEEP per slot until that attempt has rejoined."""
+AWAIT_START = os.environ.get("FT_AWAIT_START", "")
+"""``group:attempt``: before that sleep, wait (at most 100 s) until that attempt's process has started,
+so a group cannot end before a slow restart is back however loaded the machine (only where nothing
+the restart needs from this group comes before its start)."""
 
 
 def awaited() -> bool:
@@ -62,6 +66,18 @@ def awaited() -> bool:
         return False
     group, attempt = AWAIT.split(":")
     return not (OUT / f"rejoined_{group}_{attempt}").exists()
+
+
+def wait_until_started() -> None:
+    """Until the attempt FT_AWAIT_START names has written its PID (at most 100 s)."""
+    if not AWAIT_START:
+        return
+    group, attempt = AWAIT_START.split(":")
+    pids, deadline = OUT / f"pids_{group}.txt", time.monotonic() + 100
+    while time.monotonic() < deadline:
+        if pids.exists() and any(line.split()[0] == attempt for line in pids.read_text().splitlines()):
+            return
+        time.sleep(0.1)
 
 
 class Regression(L.LightningModule):
@@ -74,6 +90,7 @@ class Regression(L.LightningModule):
         x, y, _ = batch
         time.sleep(PAUSE)
         if SLEEP and self.trainer.strategy.participants < GROUPS and awaited():  # type: ignore[attr-defined]
+            wait_until_started()
             time.sleep(SLEEP)  # groups short of one slow down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
 
