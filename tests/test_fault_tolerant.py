@@ -287,7 +287,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "stop": ft.launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
         "whole": ft.launch(dirs["whole"], FT_PAUSE="0.1"),
         "three": ft.launch(
-            dirs["three"], groups=3, FT_FAIL="1:4", FT_SLEEP="0.5", FT_AWAIT="1:1", FT_RESTART_PAUSE="4"
+            dirs["three"], groups=3, FT_FAIL="1:4", FT_SLEEP="0.5", FT_AWAIT="1:1", FT_RESTART_AFTER="0"
         ),
     }
     started: dict[str, Any] = {}

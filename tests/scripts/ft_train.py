@@ -5,6 +5,7 @@ FT_FAIL (``group:step[:rank][,...]``: that group's worker (its process ``rank``,
 the start of that step, on its first attempt only: torchft's ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
 FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted worker waits first),
+FT_RESTART_AFTER (a group whose step without all groups a restarted worker waits for first),
 FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_COMPRESSOR and
 FT_COMPRESSOR_OPTIONS (``FaultTolerant(compressor=..., **options)``, the options as JSON),
@@ -66,6 +67,18 @@ def awaited() -> bool:
         return False
     group, attempt = AWAIT.split(":")
     return not (OUT / f"rejoined_{group}_{attempt}").exists()
+
+
+def wait_for_a_step_without(group: str) -> None:
+    """Until ``group`` (a healthy group's id; "" none) has committed a step without all FT_GROUPS
+    groups, at most 100 s: a restart that is back only after the others trained without it, however
+    loaded the machine (FT_RESTART_AFTER)."""
+    steps, deadline = OUT / f"steps_{group}.jsonl", time.monotonic() + 100
+    while group and time.monotonic() < deadline:
+        lines = steps.read_text().splitlines() if steps.exists() else []
+        if any(line.endswith("}") and json.loads(line)["participants"] < GROUPS for line in lines):
+            return
+        time.sleep(0.1)
 
 
 def wait_until_started() -> None:
@@ -174,8 +187,9 @@ class Record(L.Callback):
 def main() -> None:
     with open(OUT / f"pids_{NAME}.txt", "a") as fh:
         fh.write(f"{ATTEMPT} {os.getpid()}\n")
-    if ATTEMPT:  # a slower restart (FT_RESTART_PAUSE s): the others train some steps without this group
+    if ATTEMPT:  # a slower restart: the others train some steps without this group
         time.sleep(float(os.environ.get("FT_RESTART_PAUSE", "0")))
+        wait_for_a_step_without(os.environ.get("FT_RESTART_AFTER", ""))
     n = 512
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
