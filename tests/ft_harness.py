@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -35,6 +38,19 @@ def listening(port: int) -> list[str]:
     return found
 
 
+def routable_address() -> str:
+    """An IPv4 address of this machine other than loopback (skips the test when there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.254", 9))  # no packet is sent: only the route is looked up
+        except OSError:
+            pytest.skip("no non-loopback IPv4 route on this machine")
+        addr = probe.getsockname()[0]
+    if addr.startswith("127."):
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    return addr
+
+
 def own_listeners() -> set[tuple[str, int]]:
     """(address hex, port) of every listening TCP socket this process holds (not the machine's)."""
     fd_dir = Path("/proc/self/fd")
@@ -54,9 +70,11 @@ def own_listeners() -> set[tuple[str, int]]:
     return found
 
 
-def launch(out: Path, groups: int = 2, steps: int = STEPS, warm: bool = True, **env: str) -> Launch:
-    """A Lighthouse and ``groups`` torchruns (3 restarts each; ``warm``: under their standbys) of the
-    test script, writing to ``out``."""
+def launch(
+    out: Path, groups: int = 2, steps: int = STEPS, warm: bool = True, nproc_per_group: int = 1, **env: str
+) -> Launch:
+    """A Lighthouse and ``groups`` torchruns of ``nproc_per_group`` processes (3 restarts each;
+    ``warm``: under their standbys) of the test script, writing to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
     log = open(out / "log.txt", "w")  # noqa: SIM115
@@ -67,10 +85,36 @@ def launch(out: Path, groups: int = 2, steps: int = STEPS, warm: bool = True, **
         max_restarts=3,
         env=child_env(FT_OUT=str(out), FT_STEPS=str(steps), FT_GROUPS=str(groups), **env),
         warm=warm,
+        nproc_per_group=nproc_per_group,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
     return lighthouse, procs
+
+
+def start_launcher(out: Path, *flags: str, **env: str) -> subprocess.Popen:
+    """The one-box launcher's command line (``python -m lightning_dist.launch.fault_tolerant``) with
+    ``flags``, running the test script into ``out`` (its log: ``out / "log.txt"``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", *flags, "--", str(SCRIPT)],
+        env=child_env(FT_OUT=str(out), **env),
+        stdout=open(out / "log.txt", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def end_launcher(proc: subprocess.Popen) -> None:
+    """End a launcher that is still running: it ends its replica groups, then itself (killed, with
+    its session, if it takes longer than 30 s)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def finish(started: Launch, out: Path, timeout: float) -> None:
@@ -91,29 +135,35 @@ def finish(started: Launch, out: Path, timeout: float) -> None:
     assert codes == [0] * len(procs), f"exit codes {codes}; log:\n{(out / 'log.txt').read_text()[-6000:]}"
 
 
-def pids(out: Path, group: int) -> list[tuple[int, int]]:
-    """(torchrun agent PID, worker PID) of each attempt of ``group``."""
-    text = (out / f"pids_{group}.txt").read_text()
+def name(group: int, rank: int = 0) -> str:
+    """The file name part of process ``rank`` of ``group`` (tests/scripts/ft_train.py's ``NAME``)."""
+    return str(group) if rank == 0 else f"{group}.{rank}"
+
+
+def pids(out: Path, group: int, rank: int = 0) -> list[tuple[int, int]]:
+    """(torchrun restart count, worker PID) of each attempt of process ``rank`` of ``group``."""
+    text = (out / f"pids_{name(group, rank)}.txt").read_text()
     return [tuple(map(int, line.split())) for line in text.split("\n") if line]  # type: ignore[misc]
 
 
-def rows(out: Path, group: int) -> list[dict]:
-    """The committed steps ``group`` has written so far."""
-    path = out / f"steps_{group}.jsonl"
+def rows(out: Path, group: int, rank: int = 0) -> list[dict]:
+    """The committed steps process ``rank`` of ``group`` has written so far."""
+    path = out / f"steps_{name(group, rank)}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def steps(out: Path, groups: int = 2) -> dict[int, list[int]]:
-    """step -> the samples trained on in it, over all groups (committed steps only)."""
+def steps(out: Path, groups: int = 2, ranks: int = 1) -> dict[int, list[int]]:
+    """step -> the samples trained on in it, over all groups' ``ranks`` processes (committed steps only)."""
     samples: dict[int, list[int]] = {}
     for group in range(groups):
-        for row in rows(out, group):
-            samples.setdefault(row["step"], []).extend(row["indices"])
+        for rank in range(ranks):
+            for row in rows(out, group, rank):
+                samples.setdefault(row["step"], []).extend(row["indices"])
     return samples
 
 
-def weights(out: Path, group: int) -> dict[str, torch.Tensor]:
-    return torch.load(out / f"final_{group}.pt", weights_only=True)
+def weights(out: Path, group: int, rank: int = 0) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"final_{name(group, rank)}.pt", weights_only=True)
 
 
 def check_against_reference(
@@ -125,16 +175,19 @@ def check_against_reference(
     global_batch: int = GLOBAL_BATCH,
     atol: float = 1e-6,
     rtol: float = 1e-5,
+    ranks: int = 1,
 ) -> None:
     """Every step of the run in ``out`` (or ``samples``: step -> samples) trained its global batch
-    exactly once, the reference's samples, and every group ends on the reference's weights (within
-    ``atol``/``rtol``; the groups bitwise equal to each other)."""
-    reference, faulty = steps(ref, groups), steps(out, groups) if samples is None else samples
+    exactly once, the reference's samples, and every process of every group (``ranks`` each; the
+    reference's groups have one) ends on the reference's weights (within ``atol``/``rtol``; the
+    processes bitwise equal to each other)."""
+    reference, faulty = steps(ref, groups), steps(out, groups, ranks) if samples is None else samples
     assert sorted(faulty) == list(range(n_steps))
     for step, indices in faulty.items():
         assert len(indices) == global_batch == len(set(indices)), f"step {step}: a sample lost or repeated"
         assert sorted(indices) == sorted(reference[step]), f"step {step} trained other samples"
-    for group in range(groups):
-        torch.testing.assert_close(weights(out, group), weights(ref, 0), atol=atol, rtol=rtol)
-    for group in range(1, groups):
-        assert all(torch.equal(a, b) for a, b in zip(weights(out, 0).values(), weights(out, group).values()))
+    places = [(group, rank) for group in range(groups) for rank in range(ranks)]
+    for place in places:
+        torch.testing.assert_close(weights(out, *place), weights(ref, 0), atol=atol, rtol=rtol)
+    for place in places[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(weights(out, 0).values(), weights(out, *place).values()))

@@ -15,7 +15,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from datetime import timedelta
@@ -156,23 +155,10 @@ def test_checkpoint_server_stops_without_waiting_and_leaves_nothing_polling() ->
     assert ft.listening(port) == []
 
 
-def _routable_address() -> str:
-    """An IPv4 address of this machine other than loopback (skips the test when there is none)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect(("192.0.2.254", 9))  # no packet is sent: only the route is looked up
-        except OSError:
-            pytest.skip("no non-loopback IPv4 route on this machine")
-        addr = probe.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("no non-loopback IPv4 address on this machine")
-    return addr
-
-
 def test_gloo_connections_listen_on_the_given_host_only() -> None:
     """The reconfigurable Gloo group's sockets listen on ``host``, not on the host name's address
     (torch's default device): two ranks as threads, configured as torchft's Manager configures them."""
-    host = _routable_address()
+    host = ft.routable_address()
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     before = ft.own_listeners()
     groups = [_bound_gloo_group(timedelta(seconds=20), host) for _ in range(2)]
@@ -224,8 +210,13 @@ def test_slurm_script_starts_a_lighthouse_and_one_warm_group_per_node() -> None:
         "lighthouse_addr=10.0.0.1" in named.render()
         and '-- "$@"\' "http://$lighthouse_addr:$port" -m pkg.train' in named.render()
     )
+    # --devices G: G processes per group (tests/test_fault_tolerant_groups.py); DiLoCo's groups are one
+    assert (
+        "--nproc-per-group 2 "
+        in SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant").render()
+    )
     with pytest.raises(ValueError, match="--devices=2"):
-        SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant")
+        SlurmJob(["python", "train.py"], nodes=2, devices=2, strategy="ld_fault_tolerant_diloco")
     with pytest.raises(ValueError, match="python script.py"):
         SlurmJob(["python", "-u", "train.py"], nodes=2, strategy="ld_fault_tolerant").render()
 
@@ -296,7 +287,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "stop": ft.launch(dirs["stop"], FT_PAUSE="0.1", FT_SLEEP="0.5", FT_AWAIT="1:0"),
         "whole": ft.launch(dirs["whole"], FT_PAUSE="0.1"),
         "three": ft.launch(
-            dirs["three"], groups=3, FT_FAIL="1:4", FT_SLEEP="0.5", FT_AWAIT="1:1", FT_RESTART_PAUSE="4"
+            dirs["three"], groups=3, FT_FAIL="1:4", FT_SLEEP="0.5", FT_AWAIT="1:1", FT_RESTART_AFTER="0"
         ),
     }
     started: dict[str, Any] = {}
@@ -306,14 +297,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         daemon=True,
     )
     restarter.start()
-    dirs["reference"].mkdir()
-    reference = subprocess.Popen(  # the fault-free run, through the one-box launcher's command line
-        [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--max-restarts", "0",
-         "--heartbeat-timeout-ms", "1000", "--cold", "--", str(SCRIPT)],
-        env=child_env(FT_OUT=str(dirs["reference"]), FT_STEPS=str(STEPS)),
-        stdout=open(dirs["reference"] / "log.txt", "w"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    reference = ft.start_launcher(  # the fault-free run, through the one-box launcher's command line
+        dirs["reference"], "--groups", "2", "--max-restarts", "0", "--heartbeat-timeout-ms", "1000", "--cold",
+        FT_STEPS=str(STEPS),
     )  # fmt: skip
     actor = threading.Thread(
         target=_stop_then_restart_lighthouse, args=(dirs["stop"], launches["stop"][0], events), daemon=True
@@ -336,13 +322,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         if "again" in started:
             stop_groups(started["again"][1])
             started["again"][0].shutdown()
-        if reference.poll() is None:
-            reference.terminate()  # the launcher ends its replica groups, then itself
-            try:
-                reference.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(reference.pid, signal.SIGKILL)
-                reference.wait()
+        ft.end_launcher(reference)
         for launch in launches.values():  # a failed finish leaves the others: end them too
             stop_groups(launch[1])
             launch[0].shutdown()

@@ -211,12 +211,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "kill": ft.launch(dirs["kill"], steps=STEPS, **kill),
         "kill_int8": ft.launch(dirs["kill_int8"], steps=STEPS, FT_DILOCO_COMPRESSION="int8", **kill),
         # group 0 runs the killed period again alone after 1 s, slowed down until the restart is back
-        # (cold: a warm restart can be back within that second)
+        # and waiting for its process to start first (cold: a warm restart can be back within that
+        # second; a cold one on a loaded machine may take longer than the rest of the run)
         "alone": ft.launch(
             dirs["alone"],
             steps=STEPS,
             warm=False,
-            **{**kill, "FT_REJOIN_TIMEOUT": "1", "FT_SLEEP": "0.5", "FT_AWAIT": "1:1"},
+            **{
+                **kill,
+                "FT_REJOIN_TIMEOUT": "1",
+                "FT_SLEEP": "0.5",
+                "FT_AWAIT": "1:1",
+                "FT_AWAIT_START": "1:1",
+            },
         ),
     }
     try:

@@ -1,7 +1,8 @@
 """The sbatch script `lightning-dist slurm` writes for FaultTolerant, run for real on this machine with
 stand-ins for SLURM's commands (``scontrol`` names one node, ``srun`` starts one task per node with
-``SLURM_NODEID`` set): its Lighthouse and its per-node launch lines start a job whose killed group is
-restarted by its own torchrun while the other keeps its process, every step's samples once."""
+``SLURM_NODEID`` set): its Lighthouse and its per-node launch lines start a job of one replica group of
+``--devices 2`` processes per node, whose group with a killed process is restarted by its own torchrun
+while the other keeps its processes, every step's samples once."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def test_rendered_fault_tolerant_job_runs_and_restarts_only_the_killed_group(tmp
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     job = tmp_path / "job.sh"
-    job.write_text(SlurmJob(["python", str(ft.SCRIPT)], nodes=2, strategy="ld_fault_tolerant").render())
-    env = child_env(FT_OUT=str(out), FT_STEPS="12", FT_FAIL="1:4", SLURM_JOB_ID="4321",
+    job.write_text(
+        SlurmJob(["python", str(ft.SCRIPT)], nodes=2, devices=2, strategy="ld_fault_tolerant").render()
+    )
+    env = child_env(FT_OUT=str(out), FT_STEPS="12", FT_FAIL="1:4:1", SLURM_JOB_ID="4321",
                     SLURM_JOB_NODELIST="localhost", SLURM_NNODES="2")  # fmt: skip
     # the fake srun/scontrol, and this environment's python and torchft_lighthouse
     env["PATH"] = os.pathsep.join([str(bin_dir), str(Path(sys.executable).parent), env["PATH"]])
@@ -50,9 +53,12 @@ def test_rendered_fault_tolerant_job_runs_and_restarts_only_the_killed_group(tmp
         ["bash", str(job)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    assert [a for a, _ in ft.pids(out, 0)] == [0], "the healthy group's process was restarted"
-    assert [a for a, _ in ft.pids(out, 1)] == [0, 1], "group 1 dies at step 4 and its torchrun restarts it"
-    samples = ft.steps(out)
+    for rank in (0, 1):
+        assert [a for a, _ in ft.pids(out, 0, rank)] == [0], "the healthy group's process was restarted"
+        assert [a for a, _ in ft.pids(out, 1, rank)] == [0, 1], (
+            "group 1 loses a process at step 4 and restarts"
+        )
+    samples = ft.steps(out, ranks=2)
     assert sorted(samples) == list(range(12))
     for step, indices in samples.items():
         assert len(indices) == ft.GLOBAL_BATCH == len(set(indices)), f"step {step}: a sample lost or repeated"

@@ -2,6 +2,14 @@
 NCCL process group reconfigured in place at every new quorum, live recovery from a peer over HTTP)
 and a ``Backend`` whose all-reduce goes through it, so a strategy's bytes are counted like any other.
 
+A replica group may be several processes (torchrun ``--nproc-per-node=G``, the same G in every group):
+each builds a Manager with its rank in the group (rank 0 hosts the group's quorum server), torchft joins
+rank r of every group in the cross-group process group of lane r and a recovering rank fetches its
+peer group's rank r state; the group's own processes share a plain Gloo (NCCL) process group over
+torchrun's store (``FaultTolerantTransport.group``), and ``sum_over_groups`` sums a tensor over every
+process of every live group (reduce-scatter in the group, each lane's shard across the groups,
+all-gather in the group).
+
 torchft does the quorum, the reconfiguration and the transfer; this module only builds them for a
 strategy, checks what a recovering group receives (``checked_state``), and makes the checkpoint
 server listen on one address and load with ``weights_only`` (``SafeHTTPTransport``).
@@ -365,10 +373,61 @@ class _QuorumRecorder:
         return getattr(self._client, name)
 
 
+_TORCHFT_GROUP_KEYS = ("manager_addr", "replica_id")
+"""torchft's keys in the group's store (``torchft.manager.MANAGER_ADDR_KEY``, ``REPLICA_ID_KEY``)."""
+
+
+def _group_store(timeout: timedelta) -> Any:
+    """A client of torchrun's store (``MASTER_ADDR``/``MASTER_PORT``); ``ValueError`` outside torchrun."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        raise ValueError(
+            f"FaultTolerant: WORLD_SIZE={os.environ.get('WORLD_SIZE')} but no MASTER_ADDR/MASTER_PORT: a "
+            "replica group of several processes runs under torchrun (--nproc-per-node=G); accepted: "
+            "torchrun's environment, or WORLD_SIZE=1"
+        )
+    return torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        wait_for_workers=False,
+        timeout=timeout,
+    )
+
+
+def replica_group(
+    rank: int, size: int, device_type: str, timeout: timedelta, host: str
+) -> tuple[Communicator, Any]:
+    """A ``Communicator`` over a new process group of the replica group's ``size`` processes (Gloo
+    listening on ``host``, NCCL for CUDA) on torchrun's store, under a prefix of torchrun's attempt (a
+    restarted group never meets its predecessor's keys), and that process group. torchft's keys of an earlier attempt are removed
+    by rank 0 before the others pass the group's first barrier (the Manager is built after it)."""
+    store = _group_store(timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = torch.distributed.PrefixStore(f"lightning_dist/ft_group/{attempt}", store)
+    if device_type == "cuda":
+        nccl = torch.distributed.ProcessGroupNCCL  # type: ignore[attr-defined]
+        options = nccl.Options()
+        options._timeout = timeout
+        pg: Any = nccl(prefixed, rank, size, options)
+    else:
+        gloo = cast(Any, torch.distributed.ProcessGroupGloo)
+        options = gloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo.create_device(hostname=host)]
+        pg = gloo(prefixed, rank, size, options)
+    group = Communicator(TorchBackend(pg))
+    if rank == 0:
+        for key in _TORCHFT_GROUP_KEYS:
+            store.delete_key(key)
+    group.barrier()
+    return group, pg
+
+
 class FaultTolerantTransport:
     """One replica group's torchft engine, owned by its strategy: the reconfigurable process group
     (Gloo, or NCCL for CUDA), the checkpoint transport, the ``Manager`` and a ``Communicator`` over
-    ``ManagedBackend``.
+    ``ManagedBackend``; with several processes in the group (``WORLD_SIZE`` > 1, torchrun's), the
+    group's own process group too (``group``).
 
     ``state_dict``/``load_state_dict``: what a healthy group sends and a recovering one loads (the
     strategy's model, optimizers and its own state); the received state is checked
@@ -399,6 +458,18 @@ class FaultTolerantTransport:
         self._load_state_dict = load_state_dict
         self._model_state = model_state
         self.store: Optional[torch.distributed.TCPStore] = None
+        self.group_rank = int(os.environ.get("RANK", "0"))
+        """This process's rank in its replica group (torchrun's ``RANK``)."""
+        self.group_size = int(os.environ.get("WORLD_SIZE", "1"))
+        """The replica group's processes (torchrun's ``WORLD_SIZE``; the same in every group)."""
+        self.group: Optional[Communicator] = None
+        """The replica group's own collectives (None: one process). Its timeout covers a peer lane's
+        cross-group wait (two ``timeout``) and a quorum: how far the group's processes may drift apart."""
+        self._group_pg: Any = None
+        if self.group_size > 1:
+            self.group, self._group_pg = replica_group(
+                self.group_rank, self.group_size, device_type, timeout * 2 + quorum_timeout, host
+            )
         store_addr, store_port = self._store_address(host)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else _bound_gloo_group(timeout, host)
         self.checkpoint_transport = _safe_http_transport(timeout, host)
@@ -413,14 +484,15 @@ class FaultTolerantTransport:
                 quorum_timeout=quorum_timeout,
                 store_addr=store_addr,
                 store_port=store_port,
-                rank=int(os.environ.get("RANK", "0")),
-                world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                rank=self.group_rank,
+                world_size=self.group_size,
                 lighthouse_addr=lighthouse,
                 replica_id=replica_id,
                 hostname=host,
                 checkpoint_transport=self.checkpoint_transport,
                 quorum_retries=quorum_retries,
             )
+        self._checked_quorum: Optional[int] = None
         self._quorums = _QuorumRecorder(self.manager._client)
         self.manager._client = self._quorums
         self.communicator = Communicator(ManagedBackend(self.manager))
@@ -463,6 +535,61 @@ class FaultTolerantTransport:
         the Manager's all-reduce (those on the current process group, e.g. an all-gather)."""
         self.manager.report_error(error)
 
+    def sum_over_groups(self, flat: Tensor) -> Tensor:
+        """``flat`` summed over every process of every group in the quorum. One process per group:
+        the Manager's all-reduce. Several: a reduce-scatter in the group, the Manager's all-reduce of
+        this rank's shard with the same rank of the other groups, and an all-gather in the group
+        (each lane carries 1/G of the bytes). A failed peer fails the step as ``ManagedBackend``
+        says (the group's processes vote in ``commit``)."""
+        if self.group is None:
+            self.communicator.all_reduce(flat, "sum")
+            return flat
+        n, size = flat.numel(), self.group.world_size
+        padded = torch.cat([flat, flat.new_zeros((-n) % size)]) if n % size else flat
+        shard = self.group.reduce_scatter(padded, "sum")
+        self.communicator.all_reduce(shard, "sum")
+        out = torch.empty_like(padded)
+        self.group.all_gather_into(out, shard)
+        return out[:n]
+
+    def sum_in_group(self, flat: Tensor) -> Tensor:
+        """``flat`` summed over the replica group's processes, in place (one process: as it is)."""
+        if self.group is not None:
+            self.group.all_reduce(flat, "sum")
+        return flat
+
+    def group_agrees(self, value: int) -> int:
+        """The group's rank 0's ``value`` on every process of the group (a decision they must share)."""
+        if self.group is None:
+            return value
+        return int(self.group.broadcast(torch.tensor([value], dtype=torch.int64), 0).item())
+
+    def check_group_size(self) -> None:
+        """On the first call in each new quorum (every group of the quorum makes it at the same
+        point: a collective): whether every group has this group's number of processes, by a Manager
+        all-reduce of it on each lane; ``ValueError`` when they differ. Nothing is checked when the
+        step has already failed or this group does not participate."""
+        from torch.distributed import ReduceOp
+
+        quorum = self._quorums.last
+        if quorum is None or quorum.quorum_id == self._checked_quorum:
+            return
+        self._checked_quorum = quorum.quorum_id
+        if self.participant_rank is None or self.errored:
+            return
+        sizes = torch.tensor([float(self.group_size), 1.0])
+        self.manager.allreduce(sizes, reduce_op=ReduceOp.SUM).wait()
+        if self.errored:
+            return
+        total, groups = int(sizes[0].item()), int(sizes[1].item())
+        if total != groups * self.group_size:
+            raise ValueError(
+                f"FaultTolerant: this replica group has {self.group_size} process(es) (torchrun "
+                f"--nproc-per-node), the {groups} groups of the quorum {total} together: every replica "
+                "group must run the same number of processes; accepted: the same --nproc-per-node "
+                "(--nproc-per-group) in every group"
+            )
+
     @property
     def step(self) -> int:
         """Committed steps (the global step every group agrees on)."""
@@ -490,4 +617,7 @@ class FaultTolerantTransport:
 
     def shutdown(self) -> None:
         self.communicator.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = self._group_pg = None
         self.manager.shutdown(wait=False)  # the checkpoint server's thread ends within its poll interval

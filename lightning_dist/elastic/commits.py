@@ -201,6 +201,15 @@ class CommitStore:
             f"commits in {self._dir} kept vanishing while being read: is more than one writer pruning it?"
         )
 
+    def load(self, step: int, map_location: MapLocation = "cpu") -> Commit:
+        """The commit of ``step`` (one another process found with ``load_latest``); ``ValueError``
+        naming the file and why when it is gone or unusable."""
+        path = self.path(step)
+        try:
+            return Commit(step=step, state=_read_commit(path, map_location), path=path)
+        except (FileNotFoundError, _Damaged) as err:
+            raise ValueError(f"the commit of step {step} ({path}) cannot be loaded: {err}") from err
+
     def _prune(self, written: int) -> None:
         steps = self.steps()
         kept = set(steps[-self._keep :]) | {written}

@@ -1,13 +1,14 @@
 """Launch a ``FaultTolerant`` job on one machine: torchft's Lighthouse, then one torchrun per replica group.
 
     python -m lightning_dist.launch.fault_tolerant --groups 2 --max-restarts 3 -- train.py --epochs 1
+    python -m lightning_dist.launch.fault_tolerant --groups 2 --nproc-per-group 4 -- train.py  # 4 per group
 
-Each group is ``torchrun --standalone --nproc-per-node=1 --max-restarts=R`` with
-``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` set: a group whose worker dies is restarted by its own
-torchrun and rejoins the others, which keep training. The Lighthouse listens on ``--bind`` (default
+Each group is ``torchrun --standalone --nproc-per-node=G --max-restarts=R`` (``--nproc-per-group``,
+default 1) with ``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` set: a group one of whose workers
+dies is restarted (all its G workers) by its own torchrun and rejoins the others, which keep training. The Lighthouse listens on ``--bind`` (default
 ``127.0.0.1:0``, this machine only; ``--lighthouse URL`` uses a running one, and ``--group G``
 starts only group G: one node of a cluster). Each torchrun runs under a standby (``warm_start.py``) that
-has torch, Lightning and torchft imported and forks the worker torchrun (re)starts, so a restart
+has torch, Lightning and torchft imported and forks each worker torchrun (re)starts, so a restart
 skips the imports (``--cold``: none). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
 <head>:29510 --min_replicas 1``) and on every node ``python -m lightning_dist.launch.fault_tolerant
 --group $SLURM_NODEID --lighthouse http://<head>:29510 --host <node address> -- train.py``
@@ -95,18 +96,25 @@ class Lighthouse:
 
 
 def group_command(
-    script: Sequence[str], *, max_restarts: int = 3, torchrun: Optional[str] = None, warm: bool = False
+    script: Sequence[str],
+    *,
+    max_restarts: int = 3,
+    torchrun: Optional[str] = None,
+    warm: bool = False,
+    nproc_per_group: int = 1,
 ) -> list[str]:
-    """The torchrun command of one replica group running ``script`` (``[path, *args]``); ``warm``:
-    under a standby that has torch, Lightning and torchft imported and forks each (re)started
-    worker (``warm_start.py``), torchrun's entrypoint being its stand-in ``warm_worker.py``."""
+    """The torchrun command of one replica group of ``nproc_per_group`` processes running ``script``
+    (``[path, *args]``); ``warm``: under a standby that has torch, Lightning and torchft imported and
+    forks each (re)started worker (``warm_start.py``), torchrun's entrypoint being its stand-in
+    ``warm_worker.py``."""
     check_int("max_restarts", max_restarts, 0)
+    check_int("nproc_per_group", nproc_per_group, 1)
     runner = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
     command = [
         *runner,
         "--standalone",
         "--nnodes=1",
-        "--nproc-per-node=1",
+        f"--nproc-per-node={nproc_per_group}",
         f"--max-restarts={max_restarts}",
         f"--monitor-interval={MONITOR_INTERVAL_S}",
         *([str(WORKER)] if warm else []),
@@ -136,10 +144,11 @@ def start_groups(
     host: str = "127.0.0.1",
     env: Optional[dict[str, str]] = None,
     warm: bool = True,
+    nproc_per_group: int = 1,
     **popen: Any,
 ) -> list[subprocess.Popen[Any]]:
     """Start ``groups`` torchruns (replica groups 0..groups-1, or the ids ``groups`` lists) of
-    ``script``; the caller waits for them and ends them (by PID) if it stops early. ``warm`` (default): each under its standby
+    ``nproc_per_group`` processes of ``script``; the caller waits for them and ends them (by PID) if it stops early. ``warm`` (default): each under its standby
     (``group_command``), so a restarted worker skips the imports; a restart then takes torchrun's
     notice, a fork, the Trainer's setup and the heal."""
     if isinstance(groups, int):
@@ -147,7 +156,7 @@ def start_groups(
     ids = range(groups) if isinstance(groups, int) else groups
     return [
         subprocess.Popen(
-            group_command(script, max_restarts=max_restarts, warm=warm),
+            group_command(script, max_restarts=max_restarts, warm=warm, nproc_per_group=nproc_per_group),
             env=group_env(g, lighthouse, host, env),
             start_new_session=True,
             **popen,
@@ -199,6 +208,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="the groups' listen address (default: --bind's host; 'auto': this machine's address "
         "towards --lighthouse)",
     )
+    parser.add_argument(
+        "--nproc-per-group",
+        type=int,
+        default=1,
+        help="processes of each replica group (torchrun --nproc-per-node; a node's devices)",
+    )
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts of each group by its torchrun")
     parser.add_argument("--min-replicas", type=int, default=1, help="the Lighthouse's quorum minimum")
     parser.add_argument("--bind", default="127.0.0.1:0", help="the Lighthouse's listen address")
@@ -212,6 +227,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
         parser.error("give the training script after --")
+    if args.nproc_per_group < 1:
+        parser.error(f"--nproc-per-group={args.nproc_per_group}; accepted: 1 or more")
     if args.group is not None and args.lighthouse is None:
         parser.error("--group needs --lighthouse (the job's Lighthouse, started once elsewhere)")
     host = args.host or args.bind.rsplit(":", 1)[0]
@@ -241,6 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_restarts=args.max_restarts,
             host=host,
             warm=not args.cold,
+            nproc_per_group=args.nproc_per_group,
         )
         try:
             codes = [proc.wait() for proc in procs]

@@ -13,8 +13,9 @@ training command. What each strategy family gets:
   node leaves and joins again).
 - FaultTolerant (``ld_fault_tolerant*``, ``FaultTolerant``): torchft's Lighthouse in the batch shell
   on the first node, and one replica group per node (``python -m lightning_dist.launch.fault_tolerant
-  --group $SLURM_NODEID``: a warm standby and its torchrun, one process); a group that dies is
-  restarted by its torchrun while the others train on.
+  --group $SLURM_NODEID``: a warm standby and its torchrun of ``--devices`` processes,
+  ``--nproc-per-group``; ``FaultTolerantDiLoCo``: 1); a group that dies is restarted by its torchrun
+  while the others train on.
 
 Requeue (default): ``#SBATCH --requeue`` and a signal ``--signal-seconds`` before the time limit.
 For the DDP and Horovod families SLURM sends SIGUSR1 to every task: Lightning's ``SLURMEnvironment``
@@ -155,6 +156,8 @@ class StrategyKind:
     """``ddp``, ``horovod``, ``elastic`` or ``fault_tolerant``."""
     adasum: bool = False
     """Horovod's Adasum: needs a power-of-two number of ranks (of nodes on GPUs)."""
+    one_process: bool = False
+    """One process per replica group (``FaultTolerantDiLoCo``): ``--devices 1`` only."""
 
 
 def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
@@ -164,6 +167,7 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
     from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, Sharded
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
+    from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo
     from lightning_dist.strategies.registry import resolve
 
     kinds: dict[str, StrategyKind] = {}
@@ -175,7 +179,9 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
         if issubclass(cls, ElasticMixin):
             kinds[name] = StrategyKind(name, "elastic")
         elif issubclass(cls, FaultTolerant):
-            kinds[name] = StrategyKind(name, "fault_tolerant")
+            kinds[name] = StrategyKind(
+                name, "fault_tolerant", one_process=issubclass(cls, FaultTolerantDiLoCo)
+            )
         elif issubclass(cls, HorovodAdasum):
             kinds[name] = StrategyKind(name, "horovod", adasum=True)
         elif issubclass(cls, Horovod):
@@ -534,7 +540,7 @@ class SlurmJob:
             )
         if self.min_nodes is not None:
             need_int("min_nodes", 1, self.nodes)
-        if family == "fault_tolerant" and self.devices != 1:
+        if family == "fault_tolerant" and self.kind.one_process and self.devices != 1:
             raise ValueError(
                 f"--devices={self.devices}: {self.strategy} runs one process per replica group and one "
                 "group per node; accepted: --devices 1 (more groups: more --nodes)"
@@ -765,8 +771,9 @@ class SlurmJob:
         ]
 
     def _fault_tolerant_command(self) -> list[str]:
-        """One replica group per node: its id is the node's (``$SLURM_NODEID``, expanded in the task),
-        its address the one that reaches the Lighthouse (``--host auto``)."""
+        """One replica group of ``devices`` processes per node: its id is the node's
+        (``$SLURM_NODEID``, expanded in the task), its address the one that reaches the Lighthouse
+        (``--host auto``)."""
         cmd, python = self.command, "python"
         if _is_python(cmd[0]):
             python, cmd = cmd[0], cmd[1:]
@@ -775,9 +782,10 @@ class SlurmJob:
                 f"the training command {shlex.join(self.command)!r}: {self.strategy} runs a Python script "
                 "in each replica group's standby; accepted: python script.py [args] or python -m module [args]"
             )
+        per_group = f"--nproc-per-group {self.devices} " if self.devices != 1 else ""
         group = (
             f'exec {shlex.quote(python)} -m lightning_dist.launch.fault_tolerant --group "$SLURM_NODEID" '
-            f'--lighthouse "$0" --host auto --max-restarts {self.max_restarts} -- "$@"'
+            f'--lighthouse "$0" --host auto {per_group}--max-restarts {self.max_restarts} -- "$@"'
         )
         return ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "bash", "-c", group,
                 _Raw('"http://$lighthouse_addr:$port"'), *cmd]  # fmt: skip
@@ -795,7 +803,8 @@ class SlurmJob:
             "srun-pmi2": "srun --mpi=pmi2 starts one MPI job of all ranks (Horovod)",
             "mpirun": "mpirun starts one MPI job of all ranks over the job's nodes (Horovod; no PMIx in srun)",
             "torchrun": "one torchrun per node; c10d rendezvous on the first node (Elastic)",
-            "fault_tolerant": "torchft's Lighthouse on the first node, one replica group per node (FaultTolerant)",
+            "fault_tolerant": f"torchft's Lighthouse on the first node, one replica group of {self.devices} "
+            "process(es) per node (FaultTolerant)",
         }[self.launch]
         lines = [
             "#!/bin/bash",

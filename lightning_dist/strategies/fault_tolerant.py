@@ -2,8 +2,10 @@
 
     python -m lightning_dist.launch.fault_tolerant --groups 2 -- train.py   # one box: Lighthouse + torchruns
     # train.py: L.Trainer(strategy=FaultTolerant(replica_groups=2), max_steps=1000)
+    python -m lightning_dist.launch.fault_tolerant --groups 2 --nproc-per-group 4 -- train.py  # 4 per group
+    lightning-dist slurm --nodes 4 --devices 8 --strategy ld_fault_tolerant -- python train.py  # a group a node
 
-Each replica group is one process under its own torchrun (``--max-restarts``); torchft's Lighthouse
+Each replica group is one torchrun (``--max-restarts``) of one or more processes; torchft's Lighthouse
 forms a quorum of the live groups at every step, torchft's Manager reconfigures the Gloo (NCCL on
 CUDA) group among them in place, and a (re)started group fetches weights, optimizer and scheduler
 state from a healthy peer over torchft's checkpoint transport before its first forward pass. The
@@ -23,7 +25,15 @@ The training DataLoader must be map-style with ``batch_size`` (the micro-batch);
 the samples of its slots itself (``dataset[i]`` and the loader's ``collate_fn``, in this process),
 after the quorum, and Lightning's loop iterates slot tokens (``Slot``): a hook that reads batches
 before ``training_step`` (``on_before_batch_transfer``, ``on_train_batch_start``) sees a ``Slot``.
-One process per replica group (``--nproc-per-node=1``).
+
+A replica group is ``G`` processes (``torchrun --nproc-per-node=G``, the same ``G`` in every group;
+one node = one group with a process per device): the step's slots are split over every (group,
+process) pair (slot j to ``j % (participants x G)``, process ``g`` of participant ``p`` being
+``p x G + g``), the gradients are summed in the group and across the groups (a reduce-scatter in the
+group, each process's shard across the groups with the same process of the others, an all-gather in
+the group: ``FaultTolerantTransport.sum_over_groups``), the commit is voted by the group's processes
+together, and a recovering process fetches the state of the same process of its peer group. Lightning
+sees the group's processes as ranks ``0..G-1`` (rank 0 writes checkpoints and logs).
 
 ``compressor=`` sends the gradients through one of the pack's compressors (``Compressed``'s names
 and objects); its state follows the groups across failures (``fault_tolerant_compression``).
@@ -41,8 +51,10 @@ from typing import Any, Optional, Union
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -57,7 +69,8 @@ from lightning_dist.collectives.fault_tolerant import (
 )
 from lightning_dist.compat import disable_distributed_sampler, set_global_step
 from lightning_dist.compression import Compressor
-from lightning_dist.elastic.commits import CommitStore
+from lightning_dist.compression.packing import unflatten
+from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.compressed import build_compressor
 from lightning_dist.strategies.fault_tolerant_compression import CompressedGradients
@@ -80,6 +93,18 @@ def owns_slot(slot: int, participants: int, rank: Optional[int]) -> bool:
     """Whether the quorum's participant ``rank`` (None: not participating) computes ``slot``: slot j
     goes to participant ``j % participants``, so every slot of a step has exactly one owner."""
     return rank is not None and slot % participants == rank
+
+
+def group_place() -> tuple[int, int]:
+    """(processes of this replica group, this process's rank in it): torchrun's ``WORLD_SIZE`` and
+    ``RANK`` (1 and 0 outside torchrun); ``ValueError`` when they do not make a rank of the group."""
+    size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    if size < 1 or not 0 <= rank < size:
+        raise ValueError(
+            f"{OWNER}: RANK={rank}, WORLD_SIZE={size}: a replica group's processes are ranks 0..G-1 of its "
+            "own torchrun (--nproc-per-node=G); accepted: 0 <= RANK < WORLD_SIZE"
+        )
+    return size, rank
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -127,11 +152,13 @@ class _StepCallback(L.Callback):
 
 
 class FaultTolerant(SingleDeviceStrategy):
-    """One replica group of a live-recovery job on torchft (module docstring).
+    """One process of a replica group of a live-recovery job on torchft (module docstring): the
+    group's only process (``--nproc-per-node=1``) or one of its ``G`` (``--nproc-per-node=G``, the
+    same in every group; Lightning's ``global_rank`` is the rank in the group, ``world_size`` ``G``).
 
     Args:
         replica_groups: the groups the job is configured for; with ``global_batch`` unset, a step
-            takes ``replica_groups`` x the DataLoader's ``batch_size`` samples.
+            takes ``replica_groups`` x ``G`` x the DataLoader's ``batch_size`` samples.
         global_batch: samples per optimizer step over all groups (a multiple of the micro-batch).
         min_replica_size: the fewest groups that may commit a step (torchft's ``min_replica_size``).
         lighthouse: the Lighthouse address (default: ``$TORCHFT_LIGHTHOUSE``).
@@ -144,7 +171,7 @@ class FaultTolerant(SingleDeviceStrategy):
         quorum_retries: times a failed quorum request (the Lighthouse unreachable, restarting) is
             retried before the group fails (torchft's ``quorum_retries``).
         commit_every: committed steps between the pack's atomic commits (``CommitStore``, written by
-            the quorum's participant 0, and at the end of fit); 0 writes none. A group that starts
+            the quorum's participant 0's process 0, and at the end of fit); 0 writes none. A group that starts
             resumes from the newest one (``dirpath``), so a whole-job restart, or a group that finds
             no live peer, loses at most ``commit_every`` steps; with live peers it recovers from them.
         dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups.
@@ -164,6 +191,9 @@ class FaultTolerant(SingleDeviceStrategy):
     """
 
     strategy_name = "ld_fault_tolerant"
+    checks_group_sizes = True
+    """Whether each new quorum's first step checks that every group has as many processes as this
+    one (a collective: every group of a quorum must make it at the same point of its step)."""
 
     def __init__(
         self,
@@ -218,6 +248,10 @@ class FaultTolerant(SingleDeviceStrategy):
         self._dataset: Any = None
         self._collate: Callable[[list[Any]], Any] = lambda samples: samples
         self._samplers: dict[int, ElasticSampler] = {}
+        self._group_rank = 0
+        """This process's rank in its replica group (``RANK`` under torchrun)."""
+        self._group_size = 1
+        """The replica group's processes (``WORLD_SIZE`` under torchrun)."""
         self._participants = 1
         self._rank: Optional[int] = None
         self._step_indices: list[int] = []
@@ -246,12 +280,10 @@ class FaultTolerant(SingleDeviceStrategy):
 
     @override
     def setup_environment(self) -> None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world != 1:
-            raise ValueError(
-                f"{OWNER}: WORLD_SIZE={world}; a replica group is one process (torchrun --nproc-per-node=1, "
-                "one torchrun per group); accepted: WORLD_SIZE=1"
-            )
+        self._group_size, self._group_rank = group_place()
+        # Lightning's ranks are the group's: only its rank 0 writes checkpoints and logs
+        self.global_rank, self.world_size = self._group_rank, self._group_size
+        rank_zero_only.rank = utils_rank_zero_only.rank = self._group_rank  # type: ignore[attr-defined]
         super().setup_environment()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None:
@@ -288,7 +320,7 @@ class FaultTolerant(SingleDeviceStrategy):
         self.store = CommitStore(
             self.options.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.options.keep
         )
-        commit = self.store.load_latest()
+        commit = self._agreed_commit()
         if commit is not None:
             # the floor: a group that finds live peers at a later step still recovers from them
             self._load_state_dict(commit.state["state"])
@@ -309,6 +341,11 @@ class FaultTolerant(SingleDeviceStrategy):
             self.transport.shutdown()
             self.transport = None
         super().teardown()
+
+    @property
+    @override
+    def is_global_zero(self) -> bool:
+        return self._group_rank == 0
 
     def _fit_trainer(self) -> L.Trainer:
         assert self.lightning_module is not None
@@ -358,7 +395,9 @@ class FaultTolerant(SingleDeviceStrategy):
         if self.store is None or self.transport is None or not self.options.commit_every:
             return
         step = self.transport.step
-        if self.transport.participant_rank != 0 or step == 0 or self.store.latest_step() == step:
+        if self.transport.participant_rank != 0 or self._group_rank != 0 or step == 0:
+            return
+        if self.store.latest_step() == step:
             return
         self.store.save(step, {"state": self._state_dict(), "step": step})
 
@@ -386,7 +425,7 @@ class FaultTolerant(SingleDeviceStrategy):
                 f"{OWNER} reads the samples of its slots itself"
             )
         micro = int(dataloader.batch_size)
-        global_batch = self.options.global_batch or self.options.replica_groups * micro
+        global_batch = self.options.global_batch or self.options.replica_groups * self._group_size * micro
         self.plan = ElasticPlan(
             dataset_len=len(dataloader.dataset),  # type: ignore[arg-type]
             global_batch=global_batch,
@@ -429,8 +468,10 @@ class FaultTolerant(SingleDeviceStrategy):
         return self._participants
 
     def owns(self, slot: int) -> bool:
-        """Whether this group computes ``slot`` of the current step."""
-        return owns_slot(slot, self._participants, self._rank)
+        """Whether this process computes ``slot`` of the current step (``owns_slot`` over the quorum's
+        participants x the group's processes)."""
+        rank = None if self._rank is None else self._rank * self._group_size + self._group_rank
+        return owns_slot(slot, self._participants * self._group_size, rank)
 
     @override
     def batch_to_device(
@@ -468,10 +509,11 @@ class FaultTolerant(SingleDeviceStrategy):
         assert self.transport is not None
         if self.transport.participants > 1 or self.store is None or not self.options.commit_every:
             return False
-        newest = self.store.latest_step()
-        if newest is None or newest <= self.transport.step:
+        latest = self.store.latest_step()
+        newest = self.transport.group_agrees(-1 if latest is None else latest)
+        if newest <= self.transport.step:
             return False
-        commit = self.store.load_latest()
+        commit = self._agreed_commit()
         if commit is None or commit.step <= self.transport.step:
             return False
         logger.warning(
@@ -496,9 +538,14 @@ class FaultTolerant(SingleDeviceStrategy):
         wait = not self._joined and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self._joined = True
         self.transport.start_step()
-        while wait and self.transport.participants < start_groups and time.monotonic() < deadline:
+        # the group's processes decide together (they form each quorum together)
+        while wait and self.transport.group_agrees(
+            self.transport.participants < start_groups and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
             self.transport.start_step()
+        if self.checks_group_sizes:
+            self.transport.check_group_size()
         if wait and self.transport.participants < start_groups:
             logger.warning(
                 "%s: %d of start_groups=%d groups joined within quorum_timeout_s=%s; starting with them",
@@ -507,6 +554,17 @@ class FaultTolerant(SingleDeviceStrategy):
                 start_groups,
                 self.options.quorum_timeout_s,
             )
+
+    def _agreed_commit(self) -> Optional[Commit]:
+        """The newest intact commit, as the group's rank 0 found it (every process loads that one)."""
+        assert self.store is not None and self.transport is not None
+        if self.transport.group is None:
+            return self.store.load_latest()
+        commit = self.store.load_latest() if self._group_rank == 0 else None
+        step = self.transport.group_agrees(-1 if commit is None else commit.step)
+        if step < 0:
+            return None
+        return commit if commit is not None else self.store.load(step)
 
     def _read(self, indices: list[int], dataloader_idx: int = 0) -> Any:
         module = self.lightning_module
@@ -536,18 +594,22 @@ class FaultTolerant(SingleDeviceStrategy):
 
     # -- the step ---------------------------------------------------------------------------------
     def _reduce_gradients(self) -> None:
-        """Sum every parameter's gradient over the quorum's groups (one flat all-reduce, or the
-        compressor's exchange)."""
+        """Sum every parameter's gradient over every process of the quorum's groups (one flat sum:
+        ``sum_over_groups``; or the group's sum, then the compressor's exchange of it, the same on
+        each of the group's processes, so they keep the same compressor state)."""
         assert self.transport is not None and self.lightning_module is not None
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         if self.compression is not None:
+            if self.transport.group is not None:
+                grads = unflatten(
+                    self.transport.sum_in_group(torch.cat([g.reshape(-1) for g in grads])), grads
+                )
             summed = self.compression.reduce(self.transport.communicator, grads)
             for p, g in zip(params, summed, strict=True):
                 p.grad = g.view_as(p)
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.transport.communicator.all_reduce(flat, "sum")
+        flat = self.transport.sum_over_groups(torch.cat([g.reshape(-1) for g in grads]))
         offset = 0
         for p in params:
             n = p.numel()

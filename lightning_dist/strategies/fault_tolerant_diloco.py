@@ -65,7 +65,13 @@ from lightning_dist.strategies.diloco import (
     inner_parameters,
 )
 from lightning_dist.strategies.diloco_outer import OuterSGD
-from lightning_dist.strategies.fault_tolerant import FaultTolerant, StepRecord, _hyperparameters, owns_slot
+from lightning_dist.strategies.fault_tolerant import (
+    FaultTolerant,
+    StepRecord,
+    _hyperparameters,
+    group_place,
+    owns_slot,
+)
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
     FaultTolerantDiLoCoOptions,
@@ -112,6 +118,9 @@ class FaultTolerantDiLoCo(FaultTolerant):
     """
 
     strategy_name = "ld_fault_tolerant_diloco"
+    checks_group_sizes = False
+    """One process per group (``setup_environment``); and groups waiting at a sync form quorums
+    outside a step's start, where no check could be made at the same point by every group."""
 
     def __init__(self, inner_steps: int = 500, rejoin_timeout_s: float = 60.0, **options: Any) -> None:
         accepted = self._accepted_options()
@@ -146,6 +155,17 @@ class FaultTolerantDiLoCo(FaultTolerant):
     @classmethod
     def _accepted_options(cls) -> list[str]:
         return [*option_names(DiLoCoOptions, FaultTolerantDiLoCoOptions), *FAULT_TOLERANT_ARGUMENTS]
+
+    @override
+    def setup_environment(self) -> None:
+        size, _ = group_place()
+        if size != 1:
+            raise ValueError(
+                f"{OWNER}: WORLD_SIZE={size}: {OWNER} runs one process per replica group (its inner steps and "
+                "syncs are one process's; FaultTolerant takes several); accepted: WORLD_SIZE=1 "
+                "(torchrun --nproc-per-node=1, --nproc-per-group 1, lightning-dist slurm --devices 1)"
+            )
+        super().setup_environment()
 
     @override
     def setup(self, trainer: L.Trainer) -> None:

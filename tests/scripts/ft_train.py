@@ -1,10 +1,11 @@
 """One replica group of a FaultTolerant run (under torchrun, started by tests/test_fault_tolerant.py).
 
 Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_GROUPS (replica groups, default 2),
-FT_FAIL (``group:step[,group:step]``: that group's worker SIGKILLs itself at the start of that step, on its first attempt only: torchft's
-``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
+FT_FAIL (``group:step[:rank][,...]``: that group's worker (its process ``rank``, default 0) SIGKILLs itself at
+the start of that step, on its first attempt only: torchft's ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
 FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted worker waits first),
+FT_RESTART_AFTER (a group whose step without all groups a restarted worker waits for first),
 FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_COMPRESSOR and
 FT_COMPRESSOR_OPTIONS (``FaultTolerant(compressor=..., **options)``, the options as JSON),
@@ -13,7 +14,8 @@ start, what a group killed there loses), FT_INNER=sgd (plain SGD instead of Adam
 (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT, FT_DILOCO_COMPRESSION; it also writes
 ``syncs_<g>.jsonl``: the checksum of each sync's state, and ``starts_<g>.jsonl``: each period started
 from a loaded state, its sync and the checksum of what was loaded).
-Writes, per group: ``pids_<g>.txt`` (one line per attempt),
+Writes, per group (per process ``<g>.<rank>`` for the group's ranks > 0, under ``--nproc-per-node`` > 1):
+``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
 step), ``final_<g>.pt`` (the weights at the end) and, with a compressor, ``handoffs_<g>_<attempt>.pt``
 (the compressor state it sent to or received from a peer, ``Handoff`` as dicts).
@@ -42,14 +44,21 @@ from lightning_dist.strategies.fault_tolerant_compression import without_residua
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])
 GROUPS = int(os.environ.get("FT_GROUPS", "2"))
+RANK = int(os.environ.get("RANK", "0"))
+NAME = str(GROUP) if RANK == 0 else f"{GROUP}.{RANK}"
+"""This process's file names: its group's, and its rank in the group beyond rank 0."""
 ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-FAIL = {tuple(int(x) for x in item.split(":")) for item in os.environ.get("FT_FAIL", "").split(",") if item}
+FAIL = {(*map(int, item.split(":")), 0)[:3] for item in os.environ.get("FT_FAIL", "").split(",") if item}
 SLEEP = float(os.environ.get("FT_SLEEP", "0"))
 PAUSE = float(os.environ.get("FT_PAUSE", "0"))
 """Seconds every owned slot takes longer (a slower step, for tests that act during the run)."""
 DROP = os.environ.get("FT_DROP_RESIDUAL", "")
 AWAIT = os.environ.get("FT_AWAIT", "")
 """``group:attempt``: a group training without all groups sleeps FT_SLEEP per slot until that attempt has rejoined."""
+AWAIT_START = os.environ.get("FT_AWAIT_START", "")
+"""``group:attempt``: before that sleep, wait (at most 100 s) until that attempt's process has started,
+so a group cannot end before a slow restart is back however loaded the machine (only where nothing
+the restart needs from this group comes before its start)."""
 
 
 def awaited() -> bool:
@@ -58,6 +67,30 @@ def awaited() -> bool:
         return False
     group, attempt = AWAIT.split(":")
     return not (OUT / f"rejoined_{group}_{attempt}").exists()
+
+
+def wait_for_a_step_without(group: str) -> None:
+    """Until ``group`` (a healthy group's id; "" none) has committed a step without all FT_GROUPS
+    groups, at most 100 s: a restart that is back only after the others trained without it, however
+    loaded the machine (FT_RESTART_AFTER)."""
+    steps, deadline = OUT / f"steps_{group}.jsonl", time.monotonic() + 100
+    while group and time.monotonic() < deadline:
+        lines = steps.read_text().splitlines() if steps.exists() else []
+        if any(line.endswith("}") and json.loads(line)["participants"] < GROUPS for line in lines):
+            return
+        time.sleep(0.1)
+
+
+def wait_until_started() -> None:
+    """Until the attempt FT_AWAIT_START names has written its PID (at most 100 s)."""
+    if not AWAIT_START:
+        return
+    group, attempt = AWAIT_START.split(":")
+    pids, deadline = OUT / f"pids_{group}.txt", time.monotonic() + 100
+    while time.monotonic() < deadline:
+        if pids.exists() and any(line.split()[0] == attempt for line in pids.read_text().splitlines()):
+            return
+        time.sleep(0.1)
 
 
 class Regression(L.LightningModule):
@@ -70,6 +103,7 @@ class Regression(L.LightningModule):
         x, y, _ = batch
         time.sleep(PAUSE)
         if SLEEP and self.trainer.strategy.participants < GROUPS and awaited():  # type: ignore[attr-defined]
+            wait_until_started()
             time.sleep(SLEEP)  # groups short of one slow down until the restarted one has rejoined
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -90,7 +124,7 @@ class Record(L.Callback):
         self.written = 0
         self.last: int | None = None
         self.synced = self.started = 0
-        self.file = open(OUT / f"steps_{GROUP}.jsonl", "a")  # noqa: SIM115
+        self.file = open(OUT / f"steps_{NAME}.jsonl", "a")  # noqa: SIM115
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx
@@ -101,7 +135,7 @@ class Record(L.Callback):
             self.write_syncs(strategy)
         if (
             ATTEMPT == 0
-            and (GROUP, trainer.global_step) in FAIL
+            and (GROUP, trainer.global_step, RANK) in FAIL
             and strategy.owns(batch.index % strategy.slots_per_step)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -138,10 +172,10 @@ class Record(L.Callback):
         if strategy.syncs != self.synced:
             self.synced = strategy.syncs
             row = {"sync": self.synced, "crc": state_checksum(strategy.sync_state()), "attempt": ATTEMPT}
-            with open(OUT / f"syncs_{GROUP}.jsonl", "a") as fh:
+            with open(OUT / f"syncs_{NAME}.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
         for sync, crc in strategy.starts[self.started :]:
-            with open(OUT / f"starts_{GROUP}.jsonl", "a") as fh:
+            with open(OUT / f"starts_{NAME}.jsonl", "a") as fh:
                 fh.write(json.dumps({"sync": sync, "crc": crc, "attempt": ATTEMPT}) + "\n")
         self.started = len(strategy.starts)
 
@@ -151,10 +185,11 @@ class Record(L.Callback):
 
 
 def main() -> None:
-    with open(OUT / f"pids_{GROUP}.txt", "a") as fh:
+    with open(OUT / f"pids_{NAME}.txt", "a") as fh:
         fh.write(f"{ATTEMPT} {os.getpid()}\n")
-    if ATTEMPT:  # a slower restart (FT_RESTART_PAUSE s): the others train some steps without this group
+    if ATTEMPT:  # a slower restart: the others train some steps without this group
         time.sleep(float(os.environ.get("FT_RESTART_PAUSE", "0")))
+        wait_for_a_step_without(os.environ.get("FT_RESTART_AFTER", ""))
     n = 512
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, 8, generator=g)
@@ -196,12 +231,12 @@ def main() -> None:
     )
     module = Regression()
     trainer.fit(module, DataLoader(data, batch_size=4))
-    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"final_{GROUP}.pt")
+    torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, OUT / f"final_{NAME}.pt")
     if strategy.compression is not None:
         handoffs = [asdict(h) for h in strategy.compression.handoffs]
-        torch.save(handoffs, OUT / f"handoffs_{GROUP}_{ATTEMPT}.pt")
+        torch.save(handoffs, OUT / f"handoffs_{NAME}_{ATTEMPT}.pt")
     print(
-        f"group {GROUP} done at step {trainer.global_step}: {strategy.uncommitted_steps} uncommitted",
+        f"group {NAME} done at step {trainer.global_step}: {strategy.uncommitted_steps} uncommitted",
         flush=True,
     )
 
