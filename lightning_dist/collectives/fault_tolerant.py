@@ -186,6 +186,16 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
     return SafeHTTPTransport()
 
 
+def bound_gloo_options(timeout: timedelta, host: str) -> Any:
+    """Options of a Gloo process group whose connections listen on ``host`` (torch's default device
+    takes the address the host name resolves to, or ``$GLOO_SOCKET_IFNAME``'s)."""
+    gloo = cast(Any, torch.distributed.ProcessGroupGloo)
+    options = gloo._Options()
+    options._timeout = timeout
+    options._devices = [gloo.create_device(hostname=host)]
+    return options
+
+
 def _bound_gloo_group(timeout: timedelta, host: str) -> Any:
     """torchft's reconfigurable ``ProcessGroupGloo`` whose Gloo connections listen on ``host``
     (torch's default Gloo device takes the address the machine's host name resolves to, or
@@ -199,10 +209,7 @@ def _bound_gloo_group(timeout: timedelta, host: str) -> Any:
 
         @override
         def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
-            options = cast(Any, GlooBackend)._Options()
-            options._timeout = self._timeout
-            options._devices = [GlooBackend.create_device(hostname=host)]
-            backend = GlooBackend(store, rank, world_size, options)
+            backend = GlooBackend(store, rank, world_size, bound_gloo_options(self._timeout, host))
             backend._set_sequence_number_for_group()
             if self._global_ranks:
                 backend.options.global_ranks_in_group = self._global_ranks
@@ -411,10 +418,7 @@ def replica_group(
         pg: Any = nccl(prefixed, rank, size, options)
     else:
         gloo = cast(Any, torch.distributed.ProcessGroupGloo)
-        options = gloo._Options()
-        options._timeout = timeout
-        options._devices = [gloo.create_device(hostname=host)]
-        pg = gloo(prefixed, rank, size, options)
+        pg = gloo(prefixed, rank, size, bound_gloo_options(timeout, host))
     group = Communicator(TorchBackend(pg))
     if rank == 0:
         for key in _TORCHFT_GROUP_KEYS:
