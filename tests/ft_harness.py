@@ -27,15 +27,22 @@ GLOBAL_BATCH = 16
 Launch = tuple[Lighthouse, list[subprocess.Popen]]
 
 
-def listening(port: int) -> list[str]:
-    """The local addresses (hex, as /proc/net/tcp{,6} write them) with a listening socket on ``port``."""
+def _listeners() -> list[tuple[str, int, str]]:
+    """(local address hex, port, socket inode) of every listening TCP socket of this machine, as
+    /proc/net/tcp{,6} write them."""
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
-                found.append(local.rsplit(":", 1)[0])
+            fields = line.split()
+            if fields[3] == "0A":
+                addr, port = fields[1].rsplit(":", 1)
+                found.append((addr, int(port, 16), fields[9]))
     return found
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} write them) with a listening socket on ``port``."""
+    return [addr for addr, p, _ in _listeners() if p == port]
 
 
 def routable_address() -> str:
@@ -53,21 +60,13 @@ def routable_address() -> str:
 
 def own_listeners() -> set[tuple[str, int]]:
     """(address hex, port) of every listening TCP socket this process holds (not the machine's)."""
-    fd_dir = Path("/proc/self/fd")
     inodes = set()
-    for fd in fd_dir.iterdir():
+    for fd in Path("/proc/self/fd").iterdir():
         with contextlib.suppress(OSError):
             target = os.readlink(fd)
             if target.startswith("socket:["):
                 inodes.add(target[8:-1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                addr, port = fields[1].rsplit(":", 1)
-                found.add((addr, int(port, 16)))
-    return found
+    return {(addr, port) for addr, port, inode in _listeners() if inode in inodes}
 
 
 def launch(

@@ -453,6 +453,8 @@ class FaultTolerantTransport:
         quorum_timeout: timedelta,
         host: str,
         quorum_retries: int = 0,
+        group_rank: int = 0,
+        group_size: int = 1,
     ) -> None:
         require_torchft()
         from torchft import Manager
@@ -462,9 +464,9 @@ class FaultTolerantTransport:
         self._load_state_dict = load_state_dict
         self._model_state = model_state
         self.store: Optional[torch.distributed.TCPStore] = None
-        self.group_rank = int(os.environ.get("RANK", "0"))
+        self.group_rank = group_rank
         """This process's rank in its replica group (torchrun's ``RANK``)."""
-        self.group_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.group_size = group_size
         """The replica group's processes (torchrun's ``WORLD_SIZE``; the same in every group)."""
         self.group: Optional[Communicator] = None
         """The replica group's own collectives (None: one process). Its timeout covers a peer lane's

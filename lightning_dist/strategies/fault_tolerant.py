@@ -316,6 +316,8 @@ class FaultTolerant(SingleDeviceStrategy):
             quorum_timeout=timedelta(seconds=self.options.quorum_timeout_s),
             quorum_retries=self.options.quorum_retries,
             host=host,
+            group_rank=self._group_rank,
+            group_size=self._group_size,
         )
         self.store = CommitStore(
             self.options.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.options.keep
