@@ -21,18 +21,19 @@ CMD = ["python", "train.py", "--devices", "2"]
 TRAIN = ["python", "examples/train.py"]
 """The package's trainer: its --strategy/--devices/--accelerator/--num-nodes follow from the job."""
 SHORT_FORMS = {
-    "-N": "--nodes",
-    "-p": "--partition",
-    "-t": "--time",
-    "-J": "--job-name",
-    "-A": "--account",
-    "-q": "--qos",
-    "-C": "--constraint",
-    "-c": "--cpus-per-task",
-    "-o": "--output",
-    "-D": "--chdir",
+    "-N": "--nodes=3",
+    "-p": "--partition=gpu",
+    "-t": "--time=2:00:00",
+    "-J": "--job-name=lm",
+    "-A": "--account=proj42",
+    "-q": "--qos=high",
+    "-C": "--constraint=a100",
+    "-c": "--cpus-per-task=4",
+    "-o": "--output=logs/%j.out",
+    "-D": "--chdir=/shared/run",
 }
-"""sbatch's short forms, which `lightning-dist slurm` takes too."""
+"""sbatch's short forms, which `lightning-dist slurm` takes too: the #SBATCH line each writes (its long
+form) for the value after the `=`."""
 
 
 def sbatch_lines(script: str) -> list[str]:
@@ -165,6 +166,7 @@ def test_no_requeue_and_options() -> None:
             dict(strategy="nope"),
             r"--strategy 'nope' is not a strategy .* accepted: .*ld_ddp.*horovod_adasum.*elastic",
         ),
+        (dict(strategy="fsdp"), r"is not a strategy lightning-dist can launch"),
         (
             dict(strategy="ld_ddp_spawn"),
             r"refused under SLURM: it starts its own processes \(start_method='spawn'\)",
@@ -173,7 +175,6 @@ def test_no_requeue_and_options() -> None:
             dict(strategy="lightning_dist:DDP(start_method='fork')"),
             r"start_method='fork' starts its own processes",
         ),
-        (dict(strategy="fsdp"), r"is not a strategy lightning-dist can launch"),
         (dict(time="1", signal_seconds=90), r"--signal-seconds=90 is not below --time=1 \(60 s\)"),
         (dict(time="soon"), r"--time='soon' is not a SLURM time"),
         (dict(signal_seconds=0), r"--signal-seconds=0 must be an integer >= 1"),
@@ -314,7 +315,8 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--sbatch-arg",
     }
     assert expected <= documented, expected - documented
-    for short, long in SHORT_FORMS.items():
+    for short, line in SHORT_FORMS.items():
+        long = line.split("=")[0]
         assert re.search(rf"^  {short} [A-Z_]+, {long} ", text, flags=re.M), (short, long)
     assert "--no-requeue" in text and "TRAINING_COMMAND" in text
 
@@ -354,16 +356,11 @@ def cli_script(
             ["--sbatch-arg", '--comment="two words"'], '--comment="two words"', id="sbatch-arg-quoted"
         ),
         pytest.param(["--sbatch-arg", "--mem-per-gpu=8G"], "--mem-per-gpu=8G", id="sbatch-arg-not-a-prefix"),
-        pytest.param(["-N", "3"], "--nodes=3", id="N"),
-        pytest.param(["-p", "gpu"], "--partition=gpu", id="p"),
-        pytest.param(["-t", "2:00:00"], "--time=2:00:00", id="t"),
-        pytest.param(["-J", "lm"], "--job-name=lm", id="J"),
-        pytest.param(["-A", "proj42"], "--account=proj42", id="A"),
-        pytest.param(["-q", "high"], "--qos=high", id="q"),
-        pytest.param(["-C", "a100"], "--constraint=a100", id="C"),
-        pytest.param(["-c", "4"], "--cpus-per-task=4", id="c"),
-        pytest.param(["-o", "logs/%j.out"], "--output=logs/%j.out", id="o"),
-        pytest.param(["-D", "/shared/run"], "--chdir=/shared/run", id="D"),
+        # each short form writes its long form's line
+        *(
+            pytest.param([short, line.split("=", 1)[1]], line, id=short[1:])
+            for short, line in SHORT_FORMS.items()
+        ),
     ],
 )
 def test_cli_option_writes_its_sbatch_line(
