@@ -34,19 +34,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine  # benchmarks/ is on sys.path when a benchmark runs
+from fit_args import fit_parser  # benchmarks/ is on sys.path when a benchmark runs
+from machine_info import machine, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per fit")
-    p.add_argument("--rounds", type=int, default=3, help="fits per setting in the overhead run")
-    p.add_argument("--warmup", type=int, default=5, help="first steps of each fit left out of its mean")
+    p = fit_parser(__doc__, rounds_help="fits per setting in the overhead run")
     p.add_argument("--commit-every", type=int, default=10, help="optimizer steps between commits")
     p.add_argument("--kill-step", type=int, default=25, help="rank 1 is killed after this step")
-    p.add_argument("--table", type=Path, default=None, help="also write the markdown table here")
     p.add_argument("--worker", choices=["overhead", "recovery"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -205,12 +202,7 @@ def main(argv: list[str]) -> int:
         (f"recovery: kill after step {args.kill_step} -> first step after restart", f"{recovery_s:.1f} s", "< 15 s"),
         (f"steps redone (resumed from the commit of step {recovery['resumed_from']})", str(redone), f"<= {args.commit_every}"),
     ]  # fmt: skip
-    table = "\n".join(
-        ["| figure | measured | target |", "|---|---|---|", *(f"| {a} | {b} | {c} |" for a, b, c in rows)]
-    )
-    print(table)
-    if args.table is not None:
-        args.table.write_text(table + "\n")
+    print(markdown_table(rows, args.table))
     return 0
 
 

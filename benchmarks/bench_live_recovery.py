@@ -45,7 +45,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-from machine_info import machine, markdown_table  # benchmarks/ is on sys.path when a benchmark runs
+from fit_args import fit_parser  # benchmarks/ is on sys.path when a benchmark runs
+from machine_info import machine, markdown_table
 
 STARTED = time.time()
 """When this process started running Python code (before torch, Lightning and torchft are imported)."""
@@ -53,12 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=60, help="optimizer steps per fit")
-    p.add_argument("--warmup", type=int, default=5, help="first steps left out of the means")
+    p = fit_parser(__doc__, rounds_help="interleaved no-fault rounds (FT, Elastic) x N")
     p.add_argument("--kill-step", type=int, default=10, help="group 1 is killed at the start of this step")
-    p.add_argument("--table", type=Path, default=None, help="also write the markdown tables here")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved no-fault rounds (FT, Elastic) x N")
     p.add_argument(
         "--nodes",
         type=int,
