@@ -299,16 +299,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
         options_from(DiLoCoOptions, locals())  # checks them
         self.compressor = build_diloco_compressor(compression)
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,  # type: ignore[arg-type]
-        )
+        super().__init__(**options_from(LaunchOptions, locals()).as_kwargs())
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._restored_per_rank = False
 
