@@ -9,21 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import SCRIPTS, mpirun_ranks, run_command
 
 from lightning_dist.collectives.horovod_backend import HorovodBackend, import_horovod
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "scripts" / "hvd_check.py"
+SCRIPT = SCRIPTS / "hvd_check.py"
 TIMEOUT_S = 240
 """Seconds for one mpirun of the check script (the `mpi_results` fixture, once per np, in the first
 test that asks for it): those tests are marked `@pytest.mark.timeout(2 * TIMEOUT_S)`."""
@@ -38,35 +35,10 @@ def _horovod_missing() -> str | None:
 
 
 def run_mpirun(np: int, out_dir: Path) -> list[dict[str, Any]]:
-    """Run the check script on ``np`` ranks; kill the whole process group on timeout or failure."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        HVD_CHECK_OUT=str(out_dir),
-    )
-    cmd = [
-        "mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(np),
-        "-x", "OMP_NUM_THREADS=1", "-x", "PYTHONPATH", "-x", "HVD_CHECK_OUT", sys.executable, str(SCRIPT),
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"mpirun -np {np} did not finish in {TIMEOUT_S}s\n{out[-3000:]}\n{err[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """Run the check script on ``np`` ranks (``run_command``: the whole process group killed on timeout)."""
+    cmd = [*mpirun_ranks(np), "-x", "HVD_CHECK_OUT", sys.executable, str(SCRIPT)]
+    proc = run_command(cmd, TIMEOUT_S, OMP_NUM_THREADS="1", HVD_CHECK_OUT=str(out_dir))
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 0, f"mpirun -np {np} failed ({proc.returncode})\n{out[-3000:]}\n{err[-5000:]}"
     results = [json.loads(f.read_text()) for f in sorted(out_dir.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == list(range(np)), f"missing ranks in output:\n{out}\n{err}"
