@@ -7,7 +7,8 @@
   test's pytest-timeout, so the budget, which kills the child and shows its output, fires first.
 
 It also holds the session's shared runs (tests/shared_runs.py): one launch per launcher, made by the
-first test that asks for it.
+first test that asks for it; and its background commands (tests/background.py): those of the selected
+tests marked ``background`` start when collection is done, and those tests run last.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any
 import helpers
 import pytest
 import shared_runs
+from background import BackgroundJobs
+
+_BACKGROUND = BackgroundJobs()
 
 
 @contextlib.contextmanager
@@ -43,6 +47,35 @@ def _no_child_processes(nodeid: str) -> Iterator[None]:
         mp.setattr(os, "posix_spawnp", refuse)
         mp.setattr(os, "system", refuse)
         yield
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that read a background command run last, so the command has the session to run in."""
+    items.sort(key=lambda item: item.get_closest_marker("background") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background command of every selected test that will run."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("background")
+        skipped = item.get_closest_marker("skip") is not None or any(
+            m.args and m.args[0] is True for m in item.iter_markers("skipif")
+        )
+        if marker is not None and not skipped:
+            _BACKGROUND.start(marker.kwargs["make"])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _BACKGROUND.close()
+
+
+@pytest.fixture(scope="session")
+def background_jobs() -> BackgroundJobs:
+    """The session's background commands (tests/background.py)."""
+    return _BACKGROUND
 
 
 @pytest.hookimpl(wrapper=True)
