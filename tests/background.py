@@ -13,18 +13,23 @@ leaves a core free that the other tests then use.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Optional
+from typing import IO, Any, Optional
 
 from helpers import ROOT, child_env, kill_tree
+
+TESTS = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -48,8 +53,27 @@ class Result:
     out: Path
     seconds: float
 
+    def ok(self) -> Result:
+        """This result, once checked: the command exited with 0 (else an error with its output)."""
+        if self.returncode != 0:
+            raise AssertionError(
+                f"exit {self.returncode} after {self.seconds:.0f} s\n{self.stdout[-4000:]}\n{self.stderr[-6000:]}"
+            )
+        return self
+
+    def value(self) -> Any:
+        """What a ``python_call`` function returned (its JSON); an error with the output if it failed."""
+        return json.loads((self.ok().out / "result.json").read_text())
+
 
 Maker = Callable[[Path], Command]
+
+
+def python_call(fn: Callable[[Path], Any], out: Path, budget_s: float) -> Command:
+    """A command that calls ``fn(out)`` (a module-level function of a test module) in a Python of
+    its own and writes what it returns, as JSON, to ``out/result.json`` (``Result.value``)."""
+    argv = [sys.executable, str(Path(__file__)), fn.__module__, fn.__qualname__, str(out)]
+    return Command(argv, budget_s, env={"PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])})
 
 
 @dataclass
@@ -126,3 +150,9 @@ class BackgroundJobs:
 def _read(stream: IO[bytes]) -> str:
     stream.seek(0)
     return stream.read().decode(errors="replace")
+
+
+if __name__ == "__main__":  # python_call's child: module, function, out folder
+    module, name, out = sys.argv[1:4]
+    value = getattr(importlib.import_module(module), name)(Path(out))
+    (Path(out) / "result.json").write_text(json.dumps(value))

@@ -216,10 +216,7 @@ def tiny_setting(out: Path) -> Command:
 @pytest.mark.skipif(netns.unavailable_reason() is not None, reason=str(netns.unavailable_reason()))
 @pytest.mark.background(make=tiny_setting)
 def test_tiny_setting_runs_across_two_emulated_nodes(background_jobs: BackgroundJobs) -> None:
-    run = background_jobs.result(tiny_setting)
-    assert run.returncode == 0, f"exit {run.returncode} after {run.seconds:.0f} s\n" + (
-        run.stdout[-4000:] + run.stderr[-4000:]
-    )
+    run = background_jobs.result(tiny_setting).ok()
     assert "[8/8 " in run.stdout, "one progress line per run"
     data = json.loads((run.out / "cluster.json").read_text())
     for model in ("workload", "mlp"):

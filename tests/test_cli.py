@@ -7,11 +7,14 @@ import json
 import math
 import platform
 import shutil
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import lightning
 import pytest
 import torch
+from background import BackgroundJobs, Command
 from helpers import child_env, run_script
 
 from lightning_dist.cli import main
@@ -89,21 +92,25 @@ def demo_table(out: str) -> dict[str, list[str]]:
     return {row[0]: row[1:] for row in rows}
 
 
+def tiny_demo(out: Path) -> Command:
+    """``lightning-dist demo`` on the tiny workload, 4 steps a row. ``--cap-mbit 0``: no capped-link
+    column (as root it would train every row again across 2 emulated nodes, doubling the time;
+    tests/test_bench_cluster.py covers that column's table)."""
+    argv = [sys.executable, "-m", "lightning_dist.cli", "demo", "--steps", "4", "--cap-mbit", "0",
+            "--workload", json.dumps(TINY_WORKLOAD)]  # fmt: skip
+    return Command(argv, DEMO_BUDGET)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2 * DEMO_BUDGET)
-def test_demo_prints_one_row_per_strategy() -> None:
+@pytest.mark.background(make=tiny_demo)
+def test_demo_prints_one_row_per_strategy(background_jobs: BackgroundJobs) -> None:
     """Every row trains, and each is held to DDP()'s row: DDP() ends on the loss of Lightning's own
     DDPStrategy, the compressed rows send their share of its bytes, and every loss ends within its
     bound of DDP()'s."""
     from lightning_dist.workload.demo import demo_runs
 
-    # --cap-mbit 0: no capped-link column (as root it would train every row again across 2 emulated
-    # nodes, doubling the time; tests/test_bench_cluster.py covers that column's table)
-    out = run_script(
-        ["python", "-m", "lightning_dist.cli", "demo", "--steps", "4", "--cap-mbit", "0",
-         "--workload", json.dumps(TINY_WORKLOAD)],
-        timeout=DEMO_BUDGET,
-    ).stdout  # fmt: skip
+    out = background_jobs.result(tiny_demo).ok().stdout
     rows = demo_table(out)
     for run in demo_runs():
         assert run.label in rows, out
