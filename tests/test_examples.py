@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from helpers import ROOT, run_in_sequence, run_script
+from background import BackgroundJobs, Command
+from helpers import ROOT, SCRIPTS
 
 EXAMPLES = ROOT / "examples"
 BUDGET = 300
-"""Seconds for the `runs` fixture's launch (about 15 s a run on 2 shared cores); each test that reads
+"""Seconds for ``example_runs``' launch (about 15 s a run on 2 shared cores); each test that reads
 it is marked `@pytest.mark.timeout(2 * BUDGET)`, so the budget is at most half its timeout."""
 QUICKSTART = {
     strategy: ["--strategy", strategy, "--max-epochs", "2"]
@@ -59,13 +61,11 @@ def test_quickstart_defaults_fit_the_machine(monkeypatch: pytest.MonkeyPatch) ->
     assert quickstart.launched_devices() == (1, 1), "mpirun: one device per process"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def example_runs(root: Path) -> Command:
     """The examples' CPU runs, one after another in one 2-process launch (tests/scripts/in_sequence.py
     runs each example's ``main`` with its command line): quickstart.py with each of ``QUICKSTART``
     (``<strategy>.json``), lightning_cli.py with each of ``CLI`` (``<name>/``) and train.py
     (``summary.json``)."""
-    root = tmp_path_factory.mktemp("examples")
     quickstart, cli = str(EXAMPLES / "quickstart.py"), str(EXAMPLES / "lightning_cli.py")
     sequence = [
         [quickstart, *args, "--root-dir", str(root / name), "--metrics-json", str(root / f"{name}.json")]
@@ -77,12 +77,25 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sequence.append(
         [str(EXAMPLES / "train.py"), "--max-steps", "6", "--json-out", str(root / "summary.json")]
     )
-    run_in_sequence(sequence, BUDGET)
-    return root
+    return Command([sys.executable, str(SCRIPTS / "in_sequence.py"), json.dumps(sequence)], BUDGET)
+
+
+def tensorboard_run(root: Path) -> Command:
+    """The example as a user runs it: `python examples/quickstart.py` (the other runs call its main)."""
+    argv = [sys.executable, str(EXAMPLES / "quickstart.py"), "--max-epochs", "1", "--logger", "tensorboard",
+            "--root-dir", str(root)]  # fmt: skip
+    return Command(argv, BUDGET)
+
+
+@pytest.fixture(scope="module")
+def runs(background_jobs: BackgroundJobs) -> Path:
+    """``example_runs``' folder, once it has run."""
+    return background_jobs.result(example_runs).ok().out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
+@pytest.mark.background(make=example_runs)
 def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(runs: Path) -> None:
     got = {strategy: json.loads((runs / f"{strategy}.json").read_text()) for strategy in QUICKSTART}
     assert got["ddp"]["world_size"] == got["ld_ddp"]["world_size"] == 2
@@ -94,12 +107,11 @@ def test_quickstart_trains_on_two_cpu_processes_like_lightning_ddp(runs: Path) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
-def test_quickstart_logs_commmonitor_to_tensorboard(tmp_path: Path) -> None:
-    """The example as a user runs it: `python examples/quickstart.py` (the other runs call its main)."""
+@pytest.mark.background(make=tensorboard_run)
+def test_quickstart_logs_commmonitor_to_tensorboard(background_jobs: BackgroundJobs) -> None:
+    """``tensorboard_run`` writes TensorBoard events with CommMonitor's metrics."""
     pytest.importorskip("tensorboardX", reason="pip install tensorboardX (the dev extra has it)")
-    run_script([str(EXAMPLES / "quickstart.py"), "--max-epochs", "1", "--logger", "tensorboard",
-                "--root-dir", str(tmp_path)], timeout=BUDGET)  # fmt: skip
-    events = list(tmp_path.rglob("events.out.tfevents.*"))
+    events = list(background_jobs.result(tensorboard_run).ok().out.rglob("events.out.tfevents.*"))
     assert events, "no TensorBoard event file"
     assert any(b"comm/bytes_sent" in e.read_bytes() for e in events)
 
@@ -139,6 +151,7 @@ def _csv_metrics(root: Path) -> dict[str, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
+@pytest.mark.background(make=example_runs)
 def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(runs: Path) -> None:
     got = {name: _csv_metrics(runs / name) for name in CLI}
     assert 0.2 < got["yaml"]["comm/compression_ratio"] < 0.35, "the YAML's ld_compressed_int8"
@@ -149,6 +162,7 @@ def test_lightning_cli_takes_the_strategy_from_yaml_and_from_a_flag(runs: Path) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
+@pytest.mark.background(make=example_runs)
 def test_train_example_runs_the_embedded_workload_on_two_cpu_processes(runs: Path) -> None:
     summary = json.loads((runs / "summary.json").read_text())
     assert summary["run"]["strategy"] == "ld_ddp" and summary["result"]["world_size"] == 2
