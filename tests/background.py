@@ -1,10 +1,10 @@
 """Commands that mostly wait, started when the session starts and read by the tests that own them.
 
-A test marked ``@pytest.mark.background(make=make)`` owns the command ``make(out)`` returns. The command
-starts as soon as collection is done (tests/conftest.py), in a process session of its own, and runs
-while the session's other tests run; the test runs last and reads its result with
-``background_jobs.result(make)`` (waiting for what is left of the command's budget). Only commands of
-selected tests start, once each; whatever is still running when the session ends is killed.
+A test marked ``@pytest.mark.background(make=make)`` owns the command ``make(out)`` returns. The
+commands are queued when collection is done (tests/conftest.py) and run one at a time, each in a
+process session of its own, while the session's other tests run; the tests that own them run last and
+read a result with ``background_jobs.result(make)`` (waiting for what is left of the command's budget).
+Only commands of selected tests run, once each; whatever still runs when the session ends is killed.
 
 This fills the machine's idle time: a launch that waits on a link cap, a pip download or a timeout
 leaves a core free that the other tests then use.
@@ -88,16 +88,27 @@ class _Running:
 
 
 class BackgroundJobs:
-    """The session's background commands, by the function that makes each."""
+    """The session's background commands, by the function that makes each; at most ``lanes`` run
+    at once (the others wait their turn, in the order they were asked for)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: int = 1) -> None:
+        self.lanes = lanes
         self._root = Path(tempfile.mkdtemp(prefix="ld-background-"))
+        self._waiting: list[Maker] = []
         self._jobs: dict[Maker, _Running] = {}
 
     def start(self, make: Maker) -> None:
-        """Start ``make``'s command (once) in a folder of its own."""
-        if make in self._jobs:
-            return
+        """Queue ``make``'s command (once); it starts when a lane is free (``pump``)."""
+        if make not in self._jobs and make not in self._waiting:
+            self._waiting.append(make)
+        self.pump()
+
+    def pump(self) -> None:
+        """Start waiting commands while fewer than ``lanes`` run (called between tests)."""
+        while self._waiting and sum(job.proc.poll() is None for job in self._jobs.values()) < self.lanes:
+            self._launch(self._waiting.pop(0))
+
+    def _launch(self, make: Maker) -> None:
         out = self._root / make.__name__
         out.mkdir()
         command = make(out)
@@ -113,9 +124,12 @@ class BackgroundJobs:
         self._jobs[make] = _Running(command, out, proc, stdout, stderr, time.monotonic())
 
     def result(self, make: Maker) -> Result:
-        """``make``'s command once it has ended (started now if it was not); past its budget it is
-        killed and the result's ``returncode`` is None."""
-        self.start(make)
+        """``make``'s command once it has ended (started now if it still waits); past its budget (from
+        its start) it is killed and the result's ``returncode`` is None."""
+        if make not in self._jobs:
+            if make in self._waiting:
+                self._waiting.remove(make)
+            self._launch(make)
         job = self._jobs[make]
         if job.result is None:
             left = job.started + job.command.budget_s - time.monotonic()
@@ -127,10 +141,12 @@ class BackgroundJobs:
             job.result = Result(
                 code, _read(job.stdout), _read(job.stderr), job.out, time.monotonic() - job.started
             )
+            self.pump()
         return job.result
 
     def close(self) -> None:
-        """Kill every command still running and remove the folders."""
+        """Kill every command still running, forget those waiting, and remove the folders."""
+        self._waiting.clear()
         for job in self._jobs.values():
             self._end(job)
             job.stdout.close()

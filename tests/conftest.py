@@ -8,7 +8,8 @@
 
 It also holds the session's shared runs (tests/shared_runs.py): one launch per launcher, made by the
 first test that asks for it; and its background commands (tests/background.py): those of the selected
-tests marked ``background`` start when collection is done, and those tests run last.
+tests marked ``background`` are queued when collection is done and run one at a time beside the
+other tests, and those tests run last.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         )
         if marker is not None and not skipped:
             _BACKGROUND.start(marker.kwargs["make"])
+
+
+def pytest_runtest_logfinish() -> None:
+    _BACKGROUND.pump()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
