@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SCRIPTS, assert_same_weights, concurrently, load_rank, run_command, selected_cases
+from helpers import ROOT, SCRIPTS, assert_same_weights, concurrently, load_rank, run_command, selected_cases
 from test_elastic import final_trajectory, sample_log
 
 from lightning_dist.strategies.horovod_elastic import HorovodElastic
@@ -71,7 +71,7 @@ def launch(cmd: list[str], out: Path, budget: float = BUDGET, **env: str) -> str
     """Run ``cmd`` within ``budget`` seconds (its output kept in ``out``/horovodrun.log); "" when it
     exited 0, else the exit code and the workers' error lines (or the budget's error, with the output)."""
     try:
-        proc = run_command(cmd, budget, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT), **env)
+        proc = run_command(cmd, budget, ROOT, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT), **env)
     except AssertionError as exc:  # killed at the budget
         return str(exc)
     (out / "horovodrun.log").write_text(proc.stdout + proc.stderr)
