@@ -10,10 +10,14 @@ import collections
 import json
 import stat
 import sys
+import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import SCRIPTS, assert_same_weights, load_rank, run_command
+from helpers import ROOT, SCRIPTS, assert_same_weights, concurrently, load_rank, run_command, selected_cases
 from test_elastic import final_trajectory, sample_log
 
 from lightning_dist.strategies.horovod_elastic import HorovodElastic
@@ -63,10 +67,13 @@ def plain_fit(out: Path, steps: int = STEPS) -> list[str]:
             "--out", str(out), "--max-steps", str(steps)]  # fmt: skip
 
 
-def launch(cmd: list[str], out: Path, **env: str) -> str:
-    """Run ``cmd`` (its output kept in ``out``/horovodrun.log); "" when it exited 0, else the
-    exit code and the workers' error lines."""
-    proc = run_command(cmd, BUDGET, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT), **env)
+def launch(cmd: list[str], out: Path, budget: float = BUDGET, **env: str) -> str:
+    """Run ``cmd`` within ``budget`` seconds (its output kept in ``out``/horovodrun.log); "" when it
+    exited 0, else the exit code and the workers' error lines (or the budget's error, with the output)."""
+    try:
+        proc = run_command(cmd, budget, ROOT, HOROVOD_GLOO_TIMEOUT_SECONDS=str(GLOO_TIMEOUT), **env)
+    except AssertionError as exc:  # killed at the budget
+        return str(exc)
     (out / "horovodrun.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode == 0:
         return ""
@@ -100,31 +107,79 @@ def runs_per_step(out: Path) -> dict[int, int]:
     return {step: len(runs) for step, runs in incarnations.items()}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fault-free run of ``STEPS`` steps (``plain_fit``)."""
-    out = tmp_path_factory.mktemp("fault_free")
-    failed = launch(plain_fit(out), out)
-    assert not failed, failed
-    return out
-
-
 RANK0_ON = {"localhost": "0", "127.0.0.1": "4"}
 """The PYTHONHASHSEED under which horovodrun ranks that host first (rank 0): Horovod orders new hosts
 by iterating a set of their names. With 127.0.0.1 first, the removed host is rank 0's."""
+
+
+def elastic_run(out: Path, rank0_on: str) -> str:
+    """The elastic launch that loses a host, gets it back and loses a worker, rank 0 first on
+    ``rank0_on``, into ``out``; ``launch``'s verdict."""
+    changes = ["--hosts-file", str(out / "hosts"),
+               "--set-hosts", f"{REMOVE_AFTER}:2:{ONE}", "--set-hosts", f"{ADD_AFTER}:1:{BOTH}",
+               "--kill-rank", "1", "--kill-step", str(KILL_AFTER)]  # fmt: skip
+    return launch(horovodrun(out, *changes), out, PYTHONHASHSEED=RANK0_ON[rank0_on])
+
+
+def restarted_run(out: Path) -> str:
+    """``plain_fit`` into ``out`` for half the steps, then again (a new job) to ``STEPS``, both within
+    ``BUDGET``; the first failing ``launch``'s verdict."""
+    deadline = time.monotonic() + BUDGET
+    for steps in (STEPS // 2, STEPS):
+        failed = launch(plain_fit(out, steps), out, budget=deadline - time.monotonic())
+        if failed:
+            return failed
+    return ""
+
+
+def runs_this_session(request: pytest.FixtureRequest, test: Callable[..., Any]) -> bool:
+    """Whether this session runs ``test`` (a test of this module that is not parametrized)."""
+    return any(
+        getattr(item, "originalname", None) == test.__name__ and item.path == request.path
+        for item in request.session.items
+    )
+
+
+Verdicts = dict[str, tuple[Path, str]]
+"""A launch's name -> its out folder and ``launch``'s verdict ("": it succeeded)."""
+
+
+@pytest.fixture(scope="module")
+def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Verdicts:
+    """The fault-free run (``plain_fit`` of ``STEPS`` steps) and every launch this session's tests
+    check, all at once (they mostly wait: on the slowed steps, the driver's discovery, the resets),
+    each in its own folder (the elastic ones with their own hosts file and discovery script) within
+    ``BUDGET``: "fault_free", each ``RANK0_ON`` host tested, "restarted"."""
+    root = tmp_path_factory.mktemp("hvd_elastic")
+    outs = {"fault_free": root / "fault_free"}
+    calls: dict[str, Callable[[], str]] = {
+        "fault_free": partial(launch, plain_fit(outs["fault_free"]), outs["fault_free"])
+    }
+    test = test_host_removed_added_and_worker_killed_keep_the_trajectory
+    for (rank0_on,) in selected_cases(request, test, "rank0_on"):
+        outs[rank0_on] = root / f"rank0_on_{rank0_on}" / "elastic"
+        calls[rank0_on] = partial(elastic_run, outs[rank0_on], rank0_on)
+    if runs_this_session(request, test_a_new_job_resumes_from_the_last_disk_commit):
+        outs["restarted"] = root / "restarted"
+        calls["restarted"] = partial(restarted_run, outs["restarted"])
+    return {name: (outs[name], failed) for name, failed in concurrently(calls).items()}
+
+
+@pytest.fixture(scope="module")
+def reference(launched: Verdicts) -> Path:
+    """The fault-free run of ``STEPS`` steps (``plain_fit``)."""
+    out, failed = launched["fault_free"]
+    assert not failed, failed
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
 @pytest.mark.parametrize("rank0_on", list(RANK0_ON))
 def test_host_removed_added_and_worker_killed_keep_the_trajectory(
-    tmp_path: Path, reference: Path, rank0_on: str
+    launched: Verdicts, reference: Path, rank0_on: str
 ) -> None:
-    elastic = tmp_path / "elastic"
-    changes = ["--hosts-file", str(elastic / "hosts"),
-               "--set-hosts", f"{REMOVE_AFTER}:2:{ONE}", "--set-hosts", f"{ADD_AFTER}:1:{BOTH}",
-               "--kill-rank", "1", "--kill-step", str(KILL_AFTER)]  # fmt: skip
-    failed = launch(horovodrun(elastic, *changes), elastic, PYTHONHASHSEED=RANK0_ON[rank0_on])
+    elastic, failed = launched[rank0_on]
     assert not failed, failed
 
     _, facts = load_rank(elastic, 0)
@@ -151,13 +206,11 @@ def test_host_removed_added_and_worker_killed_keep_the_trajectory(
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * BUDGET)
-def test_a_new_job_resumes_from_the_last_disk_commit(tmp_path: Path, reference: Path) -> None:
+def test_a_new_job_resumes_from_the_last_disk_commit(launched: Verdicts, reference: Path) -> None:
     """The floor when every worker dies: rank 0 also wrote each commit to ``dirpath``, and a new job
-    (no in-memory state) resumes from the newest one."""
-    out = tmp_path / "restarted"
-    for steps in (STEPS // 2, STEPS):
-        failed = launch(plain_fit(out, steps), out)
-        assert not failed, failed
+    (no in-memory state) resumes from the newest one (``restarted_run``)."""
+    out, failed = launched["restarted"]
+    assert not failed, failed
     weights, facts = load_rank(out, 0)
     assert facts["global_step"] == STEPS and facts["resumed_from"] == STEPS // 2
     assert runs_per_step(out) == dict.fromkeys(range(STEPS), 1), "no step redone, none skipped"

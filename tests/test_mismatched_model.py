@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Union
 
 import pytest
 import torch
-from helpers import MPIRUN_TWO_RANKS, SCRIPTS, run_command
+from helpers import MPIRUN_TWO_RANKS, SCRIPTS, concurrently, run_command, selected_cases
 from torch import nn
 
 from lightning_dist.collectives import Communicator
@@ -104,6 +108,11 @@ def test_several_ranks_differ() -> None:
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             "--max-restarts=0"]  # fmt: skip
 BUDGET_S = 60.0
+"""Seconds for one launch (alone: 6-15 s on 2 cores)."""
+LANES = 2
+"""Launches at once: alone, one keeps about one of the 2 cores busy; more would only share the cores'
+import work (each rank imports torch and Lightning), each launch slower, nearer its budget (at 3 lanes
+on a loaded machine, launches of the second wave ran past 60 s)."""
 
 NO_HOROVOD = shutil.which("mpirun") is None or importlib.util.find_spec("horovod") is None
 horovod = [pytest.mark.horovod, pytest.mark.skipif(NO_HOROVOD, reason="needs horovod and mpirun")]
@@ -126,19 +135,61 @@ EXPECTED = {
     "shape": "parameter 'net.0.weight' has shape (4, 8) float32 on rank 0 but shape (5, 8) float32 on rank 1",
     "extra": "parameter 'net.3.weight' (shape (1, 1) float32 on rank 1) is missing on rank 0",
 }
+Launched = tuple[Path, Union[subprocess.CompletedProcess[str], AssertionError]]
+"""A case's out folder and its finished launch, or the budget's error with the ranks' output."""
 OWNER = {"ddp": "DDP", "compressed": "Compressed", "elastic": "Elastic", "horovod": "Horovod"}
 
 
+@pytest.fixture(scope="module")
+def mismatched_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], Launched]:
+    """The launch of every case this session runs, in ``LANES`` lanes at once, one after another in
+    each (alone, a launch leaves a core idle: its ranks wait on each other's start and outcome), each
+    in its own out folder within ``BUDGET_S``.
+    (strategy, mismatch) -> ``Launched`` (a budget's error is raised by that case's test)."""
+    root = tmp_path_factory.mktemp("mismatched")
+
+    def launch(strategy: str, mismatch: str, launcher: list[str]) -> Launched:
+        out = root / f"{strategy}-{mismatch}" / strategy
+        cmd = [*launcher, str(SCRIPTS / "mismatched_model.py"), "--strategy", strategy,
+               "--mismatch", mismatch, "--out", str(out)]  # fmt: skip
+        try:
+            return out, run_command(cmd, BUDGET_S)
+        except AssertionError as exc:  # a hang, killed with its output
+            return out, exc
+
+    test = test_every_rank_gets_the_error
+    cases = [
+        case
+        for case in selected_cases(request, test, "strategy", "mismatch", "launcher")
+        if not (NO_HOROVOD and case[0].startswith("horovod"))  # those tests are skipped
+    ]
+
+    def one_after_another(lane: list[tuple[str, str, list[str]]]) -> dict[tuple[str, str], Launched]:
+        return {
+            (strategy, mismatch): launch(strategy, mismatch, launcher)
+            for strategy, mismatch, launcher in lane
+        }
+
+    lanes = concurrently({i: partial(one_after_another, cases[i::LANES]) for i in range(LANES)})
+    return {case: run for lane in lanes.values() for case, run in lane.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(2 * BUDGET_S * math.ceil(len(CASES) / LANES))  # twice the fixture's budget
 @pytest.mark.parametrize(("strategy", "mismatch", "launcher"), CASES)
-def test_every_rank_gets_the_error(tmp_path: Path, strategy: str, mismatch: str, launcher: list[str]) -> None:
-    out = tmp_path / strategy
-    cmd = [*launcher, str(SCRIPTS / "mismatched_model.py"), "--strategy", strategy,
-           "--mismatch", mismatch, "--out", str(out)]  # fmt: skip
+def test_every_rank_gets_the_error(
+    mismatched_runs: dict[tuple[str, str], Launched],
+    strategy: str,
+    mismatch: str,
+    launcher: list[str],
+) -> None:
+    out, proc = mismatched_runs[strategy, mismatch]
     # a hang fails here, with the ranks' output; the ValueError on every rank below is the mismatch
     # found before any collective waits (not a collective's timeout)
-    proc = run_command(cmd, BUDGET_S)
+    if isinstance(proc, AssertionError):
+        raise proc
     log = f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert proc.returncode != 0, log
     owner = OWNER.get(strategy, "HorovodAdasum")
