@@ -25,6 +25,7 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
+from background import BackgroundJobs, Command, python_call
 from helpers import SCRIPTS, concurrently, selected_cases, spawned
 
 from lightning_dist.collectives import (
@@ -302,7 +303,8 @@ TORCHRUN_GRACE_S = 30.0
 process holds the SIGTERM pending, so it is the SIGKILL, 30 s on, that ends it."""
 BUDGET_S = 150.0
 """One launch at most: start-up (imports, rendezvous: 5-20 s on 2 CPUs), three steps, the timeout,
-the grace and the margins; below the tests' 300 s pytest timeout."""
+the grace and the margins. The background command that runs them all gets 30 s more (its own Python's
+start), half the tests' timeout."""
 
 
 def _alive(pid: int) -> bool:
@@ -397,21 +399,34 @@ CASES = [
 ]
 
 
+def stopped_launches(root: Path) -> dict[str, dict[str, Any]]:
+    """``_launch`` of every case, all at once (the launches spend most of their time waiting: the
+    timeout, torchrun's grace), so together they take about as long as the longest alone, each within
+    ``BUDGET_S``. Runs in the background (tests/background.py); "launcher-stop_at" -> the result."""
+    outs = {"-".join(case): root / "-".join(case) for case in CASES}
+    return concurrently({name: partial(_launch, out, *name.split("-")) for name, out in outs.items()})
+
+
 @pytest.fixture(scope="module")
-def stopped_runs(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
-    """``_launch`` of every case this session runs, all at once: the launches spend most of their
-    time waiting (the timeout, torchrun's grace), so together they take about as long as the longest
-    alone, each within ``BUDGET_S``. (launcher, stop_at) -> (its out folder, ``_launch``'s result)."""
-    test = test_a_stopped_rank_fails_the_others_with_the_collective_and_the_timeout
-    root = tmp_path_factory.mktemp("stopped")
-    outs = {case: root / "-".join(case) for case in selected_cases(request, test, "launcher", "stop_at")}
-    runs = concurrently({case: partial(_launch, out, *case) for case, out in outs.items()})
-    return {case: (outs[case], runs[case]) for case in outs}
+def stopped_runs(background_jobs: BackgroundJobs) -> dict[tuple[str, str], tuple[Path, dict[str, Any]]]:
+    """``stopped_launches``' results: (launcher, stop_at) -> (its out folder, ``_launch``'s result)."""
+    done = background_jobs.result(stopped)
+    runs = {}
+    for name, run in done.value().items():
+        run["pids"] = {int(rank): pid for rank, pid in run["pids"].items()}  # JSON's keys are text
+        run["gone"] = {int(rank): t for rank, t in run["gone"].items()}
+        runs[tuple(name.split("-"))] = (done.out / name, run)
+    return runs
+
+
+def stopped(out: Path) -> Command:
+    """``stopped_launches`` in a Python of its own, beside the session's other tests."""
+    return python_call(stopped_launches, out, BUDGET_S + 30)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2 * (BUDGET_S + 30))
+@pytest.mark.background(make=stopped)
 @pytest.mark.parametrize(("launcher", "stop_at"), CASES)
 def test_a_stopped_rank_fails_the_others_with_the_collective_and_the_timeout(
     stopped_runs: dict[tuple[str, str], tuple[Path, dict[str, Any]]], launcher: str, stop_at: str
