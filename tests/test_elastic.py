@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -59,17 +60,25 @@ Ran = tuple[Path, Union[subprocess.CompletedProcess[str], str], float]
 """A launch's out folder, its process (or why it stopped: its budget ran out) and its seconds."""
 
 
+AT_ONCE = 2
+"""Launches that ``launch_all`` runs at the same time. One alone leaves part of the 2 cores idle while
+it waits (start-ups, rendezvous, restarts); two fill them; more would only stretch every launch
+towards its budget (on a loaded machine, past it)."""
+
+
 def launch_all(root: Path, cases: dict[str, Launch]) -> dict[str, Ran]:
-    """Each of ``cases`` (name -> its launch, into ``root / name``) all at once: a launch leaves part
-    of the machine idle while it waits (start-ups, rendezvous, restarts); name -> what it ran to."""
+    """Each of ``cases`` (name -> its launch, into ``root / name``), ``AT_ONCE`` at a time; name ->
+    what it ran to (its seconds count from its own start, so each keeps its whole budget)."""
+    slots = threading.Semaphore(AT_ONCE)
 
     def run(name: str, launch: Launch) -> Ran:
-        out, start = root / name, time.monotonic()
-        try:
-            proc: Union[subprocess.CompletedProcess[str], str] = launch(out)
-        except (AssertionError, subprocess.TimeoutExpired) as exc:
-            proc = f"{type(exc).__name__}: {exc}"
-        return out, proc, time.monotonic() - start
+        with slots:
+            out, start = root / name, time.monotonic()
+            try:
+                proc: Union[subprocess.CompletedProcess[str], str] = launch(out)
+            except (AssertionError, subprocess.TimeoutExpired) as exc:
+                proc = f"{type(exc).__name__}: {exc}"
+            return out, proc, time.monotonic() - start
 
     return concurrently({name: functools.partial(run, name, launch) for name, launch in cases.items()})
 
