@@ -13,7 +13,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Union
 
@@ -52,12 +54,50 @@ def torchrun_proc(
     return run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
 
 
-def torchrun(out: Path, *args: str, **kwargs: Any) -> int:
-    """``torchrun_proc``'s exit code; the output is printed when a run expected to pass fails."""
-    proc = torchrun_proc(out, *args, **kwargs)
-    if proc.returncode != 0 and not set(kwargs) - {"max_restarts", "timeout", "steps", "nproc"}:
-        print(proc.stdout[-3000:], proc.stderr[-6000:])
-    return proc.returncode
+Launch = Callable[[Path], subprocess.CompletedProcess[str]]
+"""A launch into the out folder it is given."""
+Ran = tuple[Path, Union[subprocess.CompletedProcess[str], str], float]
+"""A launch's out folder, its process (or why it stopped: its budget ran out) and its seconds."""
+
+
+AT_ONCE = 2
+"""Launches that ``launch_all`` runs at the same time. One alone leaves part of the 2 cores idle while
+it waits (start-ups, rendezvous, restarts); two fill them; more would only stretch every launch
+towards its budget (on a loaded machine, past it)."""
+
+
+def launch_all(root: Path, cases: dict[str, Launch]) -> dict[str, Ran]:
+    """Each of ``cases`` (name -> its launch, into ``root / name``), ``AT_ONCE`` at a time; name ->
+    what it ran to (its seconds count from its own start, so each keeps its whole budget)."""
+    slots = threading.Semaphore(AT_ONCE)
+
+    def run(name: str, launch: Launch) -> Ran:
+        with slots:
+            out, start = root / name, time.monotonic()
+            try:
+                proc: Union[subprocess.CompletedProcess[str], str] = launch(out)
+            except (AssertionError, subprocess.TimeoutExpired) as exc:
+                proc = f"{type(exc).__name__}: {exc}"
+            return out, proc, time.monotonic() - start
+
+    return concurrently({name: functools.partial(run, name, launch) for name, launch in cases.items()})
+
+
+def launched(runs: dict[str, Ran], name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The out folder and process of ``runs[name]``; that case fails here if its launch did not end."""
+    out, proc, _ = runs[name]
+    assert not isinstance(proc, str), proc
+    return out, proc
+
+
+def selected(request: pytest.FixtureRequest, test: Callable[..., Any]) -> bool:
+    """Whether this session runs ``test`` (any of its cases)."""
+    return any(getattr(item, "originalname", None) == test.__name__ for item in request.session.items)
+
+
+def torchrun_case(*args: str, **kwargs: Any) -> Launch:
+    """``torchrun_proc`` with these arguments, into the folder it is given."""
+    return lambda out: torchrun_proc(out, *args, **kwargs)
 
 
 def sample_log(out: Path) -> list[dict[str, Any]]:
@@ -102,12 +142,35 @@ def continued(fault_free: dict[str, Path], name: str, out: Path) -> Path:
     return out
 
 
+FAULTS = {
+    **{f"sigkill-{r}": [*flags, "--kill-rank", "1", "--kill-step", "7"] for r, flags in REDUCTIONS.items()},
+    "raise": ["--fault", "raise", "--kill-rank", "1", "--kill-step", "7"],
+    "commit": ["--fault", "commit", "--kill-step", "6"],
+}
+"""The runs of ``STEPS`` steps with a fault (``torchrun_proc``'s flags): rank 1 SIGKILLed after step 7
+(each reduction), rank 1 raising there, rank 0 killed while writing the commit of step 6."""
+
+
+@pytest.fixture(scope="module")
+def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
+    """``launch_all`` of the ``FAULTS`` whose tests this session runs."""
+    sigkill = test_sigkill_mid_epoch_resumes_from_the_last_commit
+    names = [f"sigkill-{r}" for (r,) in selected_cases(request, sigkill, "reduction")]
+    if selected(request, test_exception_on_one_rank_restarts_from_the_last_commit):
+        names.append("raise")
+    if selected(request, test_crash_while_writing_a_commit_resumes_from_the_previous_one):
+        names.append("commit")
+    return launch_all(
+        tmp_path_factory.mktemp("faulted"), {name: torchrun_case(*FAULTS[name]) for name in names}
+    )
+
+
 @pytest.mark.parametrize("reduction", list(REDUCTIONS))
 def test_sigkill_mid_epoch_resumes_from_the_last_commit(
-    tmp_path: Path, fault_free: dict[str, Path], reduction: str
+    faulted: dict[str, Ran], fault_free: dict[str, Path], reduction: str
 ) -> None:
-    out = tmp_path / "killed"
-    assert torchrun(out, *REDUCTIONS[reduction], "--kill-rank", "1", "--kill-step", "7") == 0
+    out, proc = launched(faulted, f"sigkill-{reduction}")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     facts = json.loads((out / "rank0.json").read_text())
     assert facts["attempt"] == 1 and facts["global_step"] == STEPS
     assert facts["resumed_from"] == 6, "the newest commit before the kill at step 7"
@@ -137,10 +200,9 @@ def assert_recovered(out: Path, fault_free: Path, resumed_from: int) -> None:
 
 
 def test_exception_on_one_rank_restarts_from_the_last_commit(
-    tmp_path: Path, fault_free: dict[str, Path]
+    faulted: dict[str, Ran], fault_free: dict[str, Path]
 ) -> None:
-    out = tmp_path / "raised"
-    proc = torchrun_proc(out, "--fault", "raise", "--kill-rank", "1", "--kill-step", "7")
+    out, proc = launched(faulted, "raise")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "injected fault on rank 1 after step 7" in proc.stderr, proc.stderr[-3000:]
     assert any(e["rank"] == 1 and e["attempt"] == 0 for e in sample_log(out))
@@ -148,10 +210,10 @@ def test_exception_on_one_rank_restarts_from_the_last_commit(
 
 
 def test_crash_while_writing_a_commit_resumes_from_the_previous_one(
-    tmp_path: Path, fault_free: dict[str, Path]
+    faulted: dict[str, Ran], fault_free: dict[str, Path]
 ) -> None:
-    out = tmp_path / "crashed"
-    assert torchrun(out, "--fault", "commit", "--kill-step", "6") == 0
+    out, proc = launched(faulted, "commit")
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "cut to" in (out / "crashed_in_commit").read_text(), "rank 0 died inside the commit write"
     assert_recovered(out, fault_free["average"], resumed_from=3)
 
@@ -171,15 +233,12 @@ def _evil_payload(marker: Path) -> bytes:
 DAMAGES = ["truncated", "pickle"]
 
 
-@pytest.fixture(scope="module")
-def damaged(
-    fault_free: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """For each of ``DAMAGES``: a copy of a first run that stopped after step 7 (commits 3 and 6)
-    whose newest commit is damaged that way (the pickle payload would create ``pickle_ran``), then
-    continued, both runs one after another in one torchrun launch (no restarts). The folder of the
-    copies (one per damage) and the launch."""
-    root = tmp_path_factory.mktemp("damaged")
+def damaged_run(fault_free: dict[str, Path], root: Path) -> subprocess.CompletedProcess[str]:
+    """For each of ``DAMAGES``: a copy (``root / damage``) of a first run that stopped after step 7
+    (commits 3 and 6) whose newest commit is damaged that way (the pickle payload would create
+    ``root / "pickle_ran"``), then continued, both runs one after another in one torchrun launch (no
+    restarts)."""
+    root.mkdir()
     marker = root / "pickle_ran"
     for damage in DAMAGES:
         out = continued(fault_free, "stopped_after_7", root / damage)
@@ -196,16 +255,59 @@ def damaged(
              "--max-steps", str(STEPS)] for damage in DAMAGES]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=0", str(SCRIPTS / "in_sequence.py"), json.dumps(runs)]  # fmt: skip
-    return root, run_command(cmd, 120, PYTHONPATH=str(SCRIPTS))
+    return run_command(cmd, 120, PYTHONPATH=str(SCRIPTS))
+
+
+INDIVISIBLE = {"scaled": [], "unscaled": ["--no-scale-lr"]}
+"""The two resumes of ``stopped_after_6`` on 3 ranks (``torchrun_proc``'s flags)."""
+
+
+def indivisible_run(
+    fault_free: dict[str, Path], flags: list[str], out: Path
+) -> subprocess.CompletedProcess[str]:
+    """A copy at ``out`` of the run that stopped after step 6 (at world size 2), resumed on 3 ranks."""
+    return torchrun_proc(continued(fault_free, "stopped_after_6", out), *flags, steps=9, nproc=3)
+
+
+INLINE = {"fault_free": "-1", "killed": "5"}
+"""``run_elastic``'s runs (tests/scripts/elastic_inline.py): name -> rank 1's kill step."""
+
+
+def inline_runs(root: Path) -> subprocess.CompletedProcess[str]:
+    """``INLINE``'s runs (each in ``root / name``), one after another from one parent process."""
+    for name in INLINE:
+        (root / name).mkdir(parents=True)
+    runs = [
+        ["elastic_inline.py", "--out", str(root / name), "--kill-step", kill] for name, kill in INLINE.items()
+    ]
+    return run_in_sequence(runs, 120)
+
+
+@pytest.fixture(scope="module")
+def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
+    """``launch_all`` of the second group this session runs: the damaged-commit launch
+    (``damaged_run``), the two resumes on 3 ranks (``indivisible_run``: "indivisible-<name>") and
+    ``run_elastic``'s pair (``inline_runs``)."""
+    cases: dict[str, Launch] = {}
+    if selected(request, test_damaged_newest_commit_falls_back_to_the_previous_one):
+        cases["damaged"] = functools.partial(damaged_run, request.getfixturevalue("fault_free"))
+    if selected(request, test_run_elastic_restarts_workers_without_torchrun):
+        cases["inline"] = inline_runs
+    if selected(request, test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate):
+        for name, flags in INDIVISIBLE.items():
+            cases[f"indivisible-{name}"] = functools.partial(
+                indivisible_run, request.getfixturevalue("fault_free"), flags
+            )
+    return launch_all(tmp_path_factory.mktemp("resumed"), cases)
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_newest_commit_falls_back_to_the_previous_one(
-    damaged: tuple[Path, subprocess.CompletedProcess[str]], fault_free: dict[str, Path], damage: str
+    resumed: dict[str, Ran], fault_free: dict[str, Path], damage: str
 ) -> None:
     """A first run stops after step 7 (commits 3 and 6); the newest commit is then damaged; the next
     run skips it with a warning, resumes from commit 3 and ends on the fault-free weights."""
-    root, proc = damaged
+    root, proc = launched(resumed, "damaged")
     out = root / damage
     newest = out / "commits" / "commit-00000006.pt"
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -216,27 +318,19 @@ def test_damaged_newest_commit_falls_back_to_the_previous_one(
 
 
 def test_restarts_exhausted_exit_non_zero_in_bounded_time(tmp_path: Path) -> None:
+    """Launched alone, not with ``resumed``'s group: its bound is on its own wall time."""
     start = time.monotonic()
-    code = torchrun(
+    proc = torchrun_proc(
         tmp_path / "doomed", "--kill-rank", "1", "--kill-step", "2", max_restarts=1,
         ELASTIC_RUN_KILL_EVERY_ATTEMPT="1",
     )  # fmt: skip
-    assert code != 0
+    assert proc.returncode != 0
     assert time.monotonic() - start < 100
 
 
-def test_run_elastic_restarts_workers_without_torchrun(tmp_path: Path) -> None:
-    runs = {"fault_free": "-1", "killed": "5"}  # one after another from one parent process
-    for name in runs:
-        (tmp_path / name).mkdir()
-    run_in_sequence(
-        [
-            ["elastic_inline.py", "--out", str(tmp_path / name), "--kill-step", kill]
-            for name, kill in runs.items()
-        ],
-        120,
-    )
-    results = {name: json.loads((tmp_path / name / "results.json").read_text()) for name in runs}
+def test_run_elastic_restarts_workers_without_torchrun(resumed: dict[str, Ran]) -> None:
+    root, _ = launched(resumed, "inline")
+    results = {name: json.loads((root / name / "results.json").read_text()) for name in INLINE}
     killed, clean = results["killed"], results["fault_free"]
     for rank in ("0", "1"):
         assert clean[rank]["attempt"] == 0 and clean[rank]["resumed_from"] is None
@@ -357,15 +451,14 @@ def test_world_size_2_to_1_to_2_keeps_the_trajectory(
 
 
 def test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate(
-    tmp_path: Path, fault_free: dict[str, Path]
+    resumed: dict[str, Ran],
 ) -> None:
     """Global batch 8 committed at world size 2, resumed on 3 ranks: each rank keeps 4 samples a
     step (12 per step, a warning says so), the learning rate is scaled by 12/8, every sample is still
     read at most once, and ``scale_lr=False`` leaves the rate to the user."""
     lrs = {}
-    for name, flags in (("scaled", []), ("unscaled", ["--no-scale-lr"])):
-        out = continued(fault_free, "stopped_after_6", tmp_path / name)
-        proc = torchrun_proc(out, *flags, steps=9, nproc=3)
+    for name in INDIVISIBLE:
+        out, proc = launched(resumed, f"indivisible-{name}")
         assert proc.returncode == 0, proc.stderr[-6000:]
         assert "global_batch=8 is not divisible by world_size=3" in proc.stderr
         facts = json.loads((out / "rank0.json").read_text())

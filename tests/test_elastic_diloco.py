@@ -5,8 +5,10 @@ DiLoCo's fallback (the last-sync parameters, with a warning)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,19 @@ import shared_runs
 import torch
 from helpers import assert_same_weights, max_abs_diff
 from lightning.pytorch.strategies import StrategyRegistry
-from test_elastic import GLOBAL_BATCH, STEPS, final_trajectory, sample_log, torchrun_proc
+from test_elastic import (
+    GLOBAL_BATCH,
+    STEPS,
+    Launch,
+    Ran,
+    final_trajectory,
+    launch_all,
+    launched,
+    sample_log,
+    selected,
+    torchrun_case,
+    torchrun_proc,
+)
 
 import lightning_dist
 from lightning_dist import DiLoCo, Elastic, ElasticDiLoCo
@@ -77,14 +91,33 @@ def test_defaults_layout_and_registered_name() -> None:
 
 
 # -- slow: torchrun ------------------------------------------------------------------------------
+def resized_run(shared_torchrun: dict[str, Path], out: Path) -> subprocess.CompletedProcess[str]:
+    """A copy at ``out`` of the 2-worker run that stopped after step 7, resumed by 1 worker."""
+    shutil.copytree(shared_torchrun["diloco_stopped_after_7"], out)
+    return torchrun_proc(out, *DILOCO, nproc=1, max_restarts=0, timeout=80)
+
+
+@pytest.fixture(scope="module")
+def diloco_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
+    """``launch_all`` of this file's launches this session runs, at once: rank 1 killed after step 7
+    ("killed"), and a resume on 1 worker ("resized", ``resized_run``)."""
+    cases: dict[str, Launch] = {}
+    if selected(request, test_sigkill_mid_period_resumes_bitwise):
+        cases["killed"] = torchrun_case(*DILOCO, "--kill-rank", "1", "--kill-step", "7", timeout=100)
+    if selected(request, test_resume_at_another_world_size_starts_from_the_last_sync):
+        cases["resized"] = functools.partial(resized_run, request.getfixturevalue("shared_torchrun"))
+    return launch_all(tmp_path_factory.mktemp("diloco"), cases)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(2 * shared_runs.BUDGET)  # the shared fault-free runs may start here
-def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path, shared_torchrun: dict[str, Path]) -> None:
+def test_sigkill_mid_period_resumes_bitwise(
+    diloco_runs: dict[str, Ran], shared_torchrun: dict[str, Path]
+) -> None:
     """Rank 1 is killed after step 7; the commit of step 6 (inner step 2 of the second period: the
     ranks' weights differ) is the resume point; the run ends on the fault-free run's weights, bitwise
     (the fault-free run: tests/shared_runs.py)."""
-    fault_free, out = shared_torchrun["diloco"], tmp_path / "killed"
-    proc = torchrun_proc(out, *DILOCO, "--kill-rank", "1", "--kill-step", "7", timeout=100)
+    fault_free, (out, proc) = shared_torchrun["diloco"], launched(diloco_runs, "killed")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "DiLoCo:" not in proc.stderr, "no fallback: the commit holds every rank's DiLoCo state"
     for rank in (0, 1):
@@ -113,16 +146,12 @@ def test_sigkill_mid_period_resumes_bitwise(tmp_path: Path, shared_torchrun: dic
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * shared_runs.BUDGET)  # the shared fault-free runs may start here
-def test_resume_at_another_world_size_starts_from_the_last_sync(
-    tmp_path: Path, shared_torchrun: dict[str, Path]
-) -> None:
+def test_resume_at_another_world_size_starts_from_the_last_sync(diloco_runs: dict[str, Ran]) -> None:
     """2 workers stop after step 7 (commits 3 and 6; a copy of tests/shared_runs.py's run); 1 worker
     resumes from commit 6 with DiLoCo's warning: the steps since the last sync are dropped (inner step
     0), the sync count is kept, and the global batch too (2 micro-batches per step), so it trains on
     every remaining sample once."""
-    out = tmp_path / "resized"
-    shutil.copytree(shared_torchrun["diloco_stopped_after_7"], out)
-    proc = torchrun_proc(out, *DILOCO, nproc=1, max_restarts=0, timeout=80)
+    out, proc = launched(diloco_runs, "resized")
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "DiLoCo: the checkpoint was saved at world size 2, this run has 1" in proc.stderr
     facts = json.loads((out / "rank0.json").read_text())
