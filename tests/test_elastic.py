@@ -66,10 +66,10 @@ it waits (start-ups, rendezvous, restarts); two fill them; more would only stret
 towards its budget (on a loaded machine, past it)."""
 
 
-def launch_all(root: Path, cases: dict[str, Launch]) -> dict[str, Ran]:
-    """Each of ``cases`` (name -> its launch, into ``root / name``), ``AT_ONCE`` at a time; name ->
+def launch_all(root: Path, cases: dict[str, Launch], at_once: int = AT_ONCE) -> dict[str, Ran]:
+    """Each of ``cases`` (name -> its launch, into ``root / name``), ``at_once`` at a time; name ->
     what it ran to (its seconds count from its own start, so each keeps its whole budget)."""
-    slots = threading.Semaphore(AT_ONCE)
+    slots = threading.Semaphore(at_once)
 
     def run(name: str, launch: Launch) -> Ran:
         with slots:
@@ -153,16 +153,17 @@ FAULTS = {
 
 @pytest.fixture(scope="module")
 def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
-    """``launch_all`` of the ``FAULTS`` whose tests this session runs."""
+    """``launch_all`` of the ``FAULTS`` whose tests this session runs, one at a time: a fault run keeps
+    both cores busy alone (its restart's start-up), and two at once, on a loaded machine, neared
+    their budgets."""
     sigkill = test_sigkill_mid_epoch_resumes_from_the_last_commit
     names = [f"sigkill-{r}" for (r,) in selected_cases(request, sigkill, "reduction")]
     if selected(request, test_exception_on_one_rank_restarts_from_the_last_commit):
         names.append("raise")
     if selected(request, test_crash_while_writing_a_commit_resumes_from_the_previous_one):
         names.append("commit")
-    return launch_all(
-        tmp_path_factory.mktemp("faulted"), {name: torchrun_case(*FAULTS[name]) for name in names}
-    )
+    cases = {name: torchrun_case(*FAULTS[name]) for name in names}
+    return launch_all(tmp_path_factory.mktemp("faulted"), cases, at_once=1)
 
 
 @pytest.mark.parametrize("reduction", list(REDUCTIONS))
