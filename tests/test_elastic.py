@@ -21,6 +21,7 @@ from typing import Any, Union
 
 import pytest
 import torch
+from background import BackgroundJobs, Command, python_call
 from helpers import (
     SCRIPTS,
     assert_same_weights,
@@ -343,7 +344,8 @@ def test_run_elastic_restarts_workers_without_torchrun(resumed: dict[str, Ran]) 
 
 SCALE_STEPS = 24
 SCALE_BUDGET = 200
-"""Seconds for the two agents of a 2->1->2 run to finish, at most half the test's timeout."""
+"""Seconds for the two agents of a 2->1->2 run to finish; the background command that runs the
+reductions gets 30 s more (its own Python's start), half the test's timeout."""
 SCALE_BOUND = {"powersgd": 0.02, "adasum": 0.75}
 """How far the 2 -> 1 -> 2 run may end from the fault-free run at world size 2, as a fraction of how
 far that run ends from the uncompressed average run (max abs weight difference). Average keeps the
@@ -402,30 +404,41 @@ def scale_run(out: Path, reduction: str) -> tuple[int, int]:
             return agent_a.wait(timeout=deadline - time.monotonic()), agent_b2.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def scaled(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[Path, Union[tuple[int, int], str]]]:
-    """``scale_run`` of each reduction this session tests, all at once (the agents mostly wait: on
-    the rendezvous, the restarts, the slowed steps), each within ``SCALE_BUDGET``; reduction -> its
-    out folder and the agents' exit codes, or why the run stopped (that reduction's test fails)."""
-    root = tmp_path_factory.mktemp("scaled")
-    test = test_world_size_2_to_1_to_2_keeps_the_trajectory
+def scale_runs(root: Path) -> dict[str, tuple[str, Union[list[int], str]]]:
+    """``scale_run`` of each reduction, all at once (the agents mostly wait: on the rendezvous, the
+    restarts, the slowed steps), each within ``SCALE_BUDGET``; reduction -> its out folder and the
+    agents' exit codes, or why the run stopped (that reduction's test fails). Runs in the background
+    (tests/background.py)."""
 
-    def run(reduction: str) -> tuple[Path, Union[tuple[int, int], str]]:
+    def run(reduction: str) -> tuple[str, Union[list[int], str]]:
         out = root / reduction
         try:
-            return out, scale_run(out, reduction)
+            return str(out), list(scale_run(out, reduction))
         except (AssertionError, subprocess.TimeoutExpired) as exc:
-            return out, f"{type(exc).__name__}: {exc}"
+            return str(out), f"{type(exc).__name__}: {exc}"
 
-    return concurrently({r: functools.partial(run, r) for (r,) in selected_cases(request, test, "reduction")})
+    return concurrently({r: functools.partial(run, r) for r in REDUCTIONS})
 
 
-@pytest.mark.timeout(2 * SCALE_BUDGET)
+def scaling(out: Path) -> Command:
+    """``scale_runs`` in a Python of its own, beside the session's other tests."""
+    return python_call(scale_runs, out, SCALE_BUDGET + 30)
+
+
+@pytest.fixture(scope="module")
+def scaled(background_jobs: BackgroundJobs) -> dict[str, tuple[Path, Union[tuple[int, ...], str]]]:
+    """``scale_runs``' results, read back: reduction -> (its out folder, the exit codes or why not)."""
+    return {
+        reduction: (Path(out), tuple(codes) if isinstance(codes, list) else codes)
+        for reduction, (out, codes) in background_jobs.result(scaling).value().items()
+    }
+
+
+@pytest.mark.timeout(2 * (SCALE_BUDGET + 30))
+@pytest.mark.background(make=scaling)
 @pytest.mark.parametrize("reduction", list(REDUCTIONS))
 def test_world_size_2_to_1_to_2_keeps_the_trajectory(
-    scaled: dict[str, tuple[Path, Union[tuple[int, int], str]]], fault_free: dict[str, Path], reduction: str
+    scaled: dict[str, tuple[Path, Union[tuple[int, ...], str]]], fault_free: dict[str, Path], reduction: str
 ) -> None:
     """``scale_run``: every step read its samples once, the same ones as the fault-free run at world
     size 2, and the run ends on its weights (average: bitwise) or within ``SCALE_BOUND`` of them."""
