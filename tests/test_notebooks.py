@@ -19,7 +19,9 @@ import functools
 import hashlib
 import json
 import os
+import random
 import re
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -235,11 +237,30 @@ def _horovod_built() -> bool:
     return True
 
 
-def _execute(path: Path, work: Path, deadline: float) -> Optional[Exception]:
+def _main_ports(count: int) -> list[int]:
+    """``count`` ports free now and below the ephemeral range (32768-60999 here), where no socket
+    that binds port 0 or connects out can take them: Lightning keeps a kernel's first MASTER_PORT in
+    its environment for every later fit, and a port picked from the ephemeral range was taken by
+    another kernel's socket in between (EADDRINUSE)."""
+    ports: list[int] = []
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise AssertionError(f"no {count} free ports in 20000-31999")
+
+
+def _execute(path: Path, work: Path, deadline: float, main_port: int) -> Optional[Exception]:
     """Run the notebook at ``path`` top to bottom in a fresh kernel, with ``work`` as its working
-    directory and ``work``/figures as its ``LD_FIGURES_DIR`` (not the committed figures), every cell
-    within ``CELL_TIMEOUT`` and all of them by ``deadline``; the error of the first failing cell
-    (CellExecutionError, with the cell and its traceback), or None."""
+        directory and ``work``/figures as its ``LD_FIGURES_DIR`` (not the committed figures), every cell
+        within ``CELL_TIMEOUT`` and all of them by ``deadline``, its Lightning launches on ``main_port``
+    (``MASTER_PORT``; the elastic agent and Horovod pick their own); the error of the first failing cell
+        (CellExecutionError, with the cell and its traceback), or None."""
     import nbclient
     import nbformat
 
@@ -247,6 +268,7 @@ def _execute(path: Path, work: Path, deadline: float) -> Optional[Exception]:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
+        "MASTER_PORT": str(main_port),
         "LD_FIGURES_DIR": str(work / "figures"),
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -270,7 +292,7 @@ def executed(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, Optional[Exception]]]:
     """``_execute`` of every notebook this session runs, all at once (each kernel its own working
-    directory and figures folder; their launches pick their ports free), together within
+    directory, figures folder and MASTER_PORT), together within
     ``NOTEBOOK_BUDGET``: stem -> its figures folder and its error (None when every cell ran)."""
     pytest.importorskip("nbformat")
     pytest.importorskip("nbclient")
@@ -279,7 +301,13 @@ def executed(
     paths = [path for (path,) in selected_cases(request, test_notebook_runs_within_bounds, "path")]
     if not _horovod_built():
         paths = [path for path in paths if "horovod" not in path.stem]  # its test skips
-    runs = concurrently({p.stem: functools.partial(_execute, p, root / p.stem, deadline) for p in paths})
+    ports = _main_ports(len(paths))
+    runs = concurrently(
+        {
+            p.stem: functools.partial(_execute, p, root / p.stem, deadline, port)
+            for p, port in zip(paths, ports)
+        }
+    )
     return {stem: (root / stem / "figures", error) for stem, error in runs.items()}
 
 
