@@ -13,15 +13,19 @@ import sysconfig
 import zipfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
+from background import BackgroundJobs, Command, python_call
 from helpers import ROOT, SCRIPTS, run_command, run_script
 
 import lightning_dist
 
 PIP_BUDGET = 400
 """Seconds for `pip install` of the wheel into the fresh venv, the test's largest budget."""
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * PIP_BUDGET)]
+BACKGROUND_BUDGET = 500
+"""Seconds for ``user_install`` as a whole (the build, the install, the user's fit: about 40 s here)."""
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * BACKGROUND_BUDGET)]
 
 
 def link_torch(into: Path) -> list[str]:
@@ -48,21 +52,15 @@ def link_torch(into: Path) -> list[str]:
     return seen
 
 
-def test_wheel_installs_with_pip_and_trains_a_users_module(tmp_path: Path) -> None:
+def user_install(tmp_path: Path) -> dict[str, Any]:
+    """As a user would: build the wheel, make a fresh venv (reusing the project's torch), pip install
+    the wheel, run its console script and a user's fit script from a folder outside the repository.
+    Returns what the test checks; a step that fails raises with its output. Runs in the background
+    (tests/background.py): it mostly waits on pip."""
     run_script(
         [sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path / "dist"), str(ROOT)], timeout=300
     )
     (wheel,) = (tmp_path / "dist").glob("lightning_dist-*.whl")
-    files = zipfile.ZipFile(wheel).namelist()
-    for shipped in (
-        "lightning_dist/py.typed",
-        "lightning_dist/compat.py",
-        "lightning_dist/install_horovod.py",
-    ):
-        assert shipped in files, f"{shipped} missing from the wheel"
-    assert any(f.endswith("licenses/LICENSE") for f in files)
-    assert not any(f.startswith(("tests/", "benchmarks/", "examples/")) for f in files)
-
     venv = tmp_path / "venv"
     run_script([sys.executable, "-m", "venv", str(venv)], timeout=120)
 
@@ -74,25 +72,55 @@ def test_wheel_installs_with_pip_and_trains_a_users_module(tmp_path: Path) -> No
 
     python = str(venv / "bin" / "python")
     purelib = in_venv("-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
-    assert purelib != sysconfig.get_paths()["purelib"], "a venv of its own, not the project's"
     linked = link_torch(tmp_path / "project-torch")
     Path(purelib, "project_torch.pth").write_text(str(tmp_path / "project-torch") + "\n")
     in_venv("-m", "pip", "install", "-q", str(wheel), timeout=PIP_BUDGET)
-    names = {p["name"].lower() for p in json.loads(in_venv("-m", "pip", "list", "--format=json"))}
-    assert {"lightning-dist", "lightning", "torchmetrics"} <= names and "horovod" not in names
+    installed = [p["name"].lower() for p in json.loads(in_venv("-m", "pip", "list", "--format=json"))]
     console = run_command(
         [str(venv / "bin" / "lightning-dist"), "--version"], 60, cwd=tmp_path, PYTHONPATH=""
     )
-    assert console.stdout.startswith(f"lightning-dist {lightning_dist.__version__} (tested with"), console
-
     user = tmp_path / "user"
     user.mkdir()
     shutil.copy(SCRIPTS / "user_fit.py", user / "fit.py")
-    proc = run_command([python, "fit.py"], timeout=240, cwd=user, PYTHONPATH="")
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["package"].startswith(str(venv)), f"imported from {result['package']}, not the venv"
+    fit = run_command([python, "fit.py"], timeout=240, cwd=user, PYTHONPATH="")
+    return {
+        "wheel_files": zipfile.ZipFile(wheel).namelist(),
+        "venv": str(venv),
+        "purelib": purelib,
+        "linked": linked,
+        "installed": installed,
+        "console": [console.returncode, console.stdout, console.stderr],
+        "fit": [fit.returncode, fit.stdout, fit.stderr],
+    }
+
+
+def installed_by_a_user(out: Path) -> Command:
+    """``user_install`` in a Python of its own, beside the session's other tests."""
+    return python_call(user_install, out, BACKGROUND_BUDGET)
+
+
+@pytest.mark.background(make=installed_by_a_user)
+def test_wheel_installs_with_pip_and_trains_a_users_module(background_jobs: BackgroundJobs) -> None:
+    got = background_jobs.result(installed_by_a_user).value()
+    files = got["wheel_files"]
+    for shipped in (
+        "lightning_dist/py.typed",
+        "lightning_dist/compat.py",
+        "lightning_dist/install_horovod.py",
+    ):
+        assert shipped in files, f"{shipped} missing from the wheel"
+    assert any(f.endswith("licenses/LICENSE") for f in files)
+    assert not any(f.startswith(("tests/", "benchmarks/", "examples/")) for f in files)
+    assert got["purelib"] != sysconfig.get_paths()["purelib"], "a venv of its own, not the project's"
+    names = set(got["installed"])
+    assert {"lightning-dist", "lightning", "torchmetrics"} <= names and "horovod" not in names
+    console = got["console"]
+    assert console[1].startswith(f"lightning-dist {lightning_dist.__version__} (tested with"), console
+    code, stdout, stderr = got["fit"]
+    assert code == 0, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert result["package"].startswith(got["venv"]), f"imported from {result['package']}, not the venv"
     assert result["version"] == lightning_dist.__version__ and result["world_size"] == 2
     losses = result["losses"]
     assert losses[-1] < 0.5 * losses[0], f"the loss did not fall: {losses}"
-    assert "torch" in linked
+    assert "torch" in got["linked"]
