@@ -69,10 +69,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _BACKGROUND.start(marker.kwargs["make"])
 
 
-def pytest_runtest_logfinish() -> None:
-    _BACKGROUND.pump()
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _BACKGROUND.close()
 
@@ -85,10 +81,13 @@ def background_jobs() -> BackgroundJobs:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
-    if item.get_closest_marker("slow") is not None:
-        return (yield)
-    with _no_child_processes(item.nodeid):
-        return (yield)
+    try:
+        if item.get_closest_marker("slow") is not None:
+            return (yield)
+        with _no_child_processes(item.nodeid):
+            return (yield)
+    finally:
+        _BACKGROUND.pump()  # between tests, outside the guard: the next background command, if a lane is free
 
 
 @pytest.hookimpl(wrapper=True, optionalhook=True)

@@ -257,10 +257,10 @@ def _main_ports(count: int) -> list[int]:
 
 def _execute(path: Path, work: Path, deadline: float, main_port: int) -> Optional[Exception]:
     """Run the notebook at ``path`` top to bottom in a fresh kernel, with ``work`` as its working
-        directory and ``work``/figures as its ``LD_FIGURES_DIR`` (not the committed figures), every cell
-        within ``CELL_TIMEOUT`` and all of them by ``deadline``, its Lightning launches on ``main_port``
-    (``MASTER_PORT``; the elastic agent and Horovod pick their own); the error of the first failing cell
-        (CellExecutionError, with the cell and its traceback), or None."""
+    directory and ``work``/figures as its ``LD_FIGURES_DIR`` (not the committed figures), every cell
+    within ``CELL_TIMEOUT`` and all of them by ``deadline``, its Lightning launches on ``main_port``
+    (``MASTER_PORT``; the elastic agent and Horovod pick their own); the error of the first failing
+    cell (CellExecutionError, with the cell and its traceback), or None."""
     import nbclient
     import nbformat
 
