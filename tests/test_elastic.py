@@ -8,6 +8,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import socket
@@ -40,11 +41,15 @@ pytestmark = pytest.mark.slow
 COMMIT_EVERY, STEPS, GLOBAL_BATCH = 3, 12, 8  # tiny workload: batch 4 per rank, 2 ranks
 
 
+LAUNCH_BUDGET = 120
+"""Seconds for one torchrun launch of a fault or resume scenario (its ``run_command`` budget)."""
+
+
 def torchrun_proc(
     out: Path,
     *args: str,
     max_restarts: int = 1,
-    timeout: float = 120,
+    timeout: float = LAUNCH_BUDGET,
     steps: int = STEPS,
     nproc: int = 2,
     **env: str,
@@ -150,6 +155,9 @@ FAULTS = {
 }
 """The runs of ``STEPS`` steps with a fault (``torchrun_proc``'s flags): rank 1 SIGKILLed after step 7
 (each reduction), rank 1 raising there, rank 0 killed while writing the commit of step 6."""
+FAULTED_BUDGET = LAUNCH_BUDGET * len(FAULTS)
+"""Seconds for ``faulted``'s launches, one after another, each within ``LAUNCH_BUDGET``; the tests that
+read them get twice that as their timeout (the shared fault-free runs may start there too)."""
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +175,7 @@ def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return launch_all(tmp_path_factory.mktemp("faulted"), cases, at_once=1)
 
 
+@pytest.mark.timeout(2 * FAULTED_BUDGET)
 @pytest.mark.parametrize("reduction", list(REDUCTIONS))
 def test_sigkill_mid_epoch_resumes_from_the_last_commit(
     faulted: dict[str, Ran], fault_free: dict[str, Path], reduction: str
@@ -201,6 +210,7 @@ def assert_recovered(out: Path, fault_free: Path, resumed_from: int) -> None:
     assert_same_weights(torch.load(out / "rank0.pt"), torch.load(fault_free / "rank0.pt"), atol=1e-6)
 
 
+@pytest.mark.timeout(2 * FAULTED_BUDGET)
 def test_exception_on_one_rank_restarts_from_the_last_commit(
     faulted: dict[str, Ran], fault_free: dict[str, Path]
 ) -> None:
@@ -211,6 +221,7 @@ def test_exception_on_one_rank_restarts_from_the_last_commit(
     assert_recovered(out, fault_free["average"], resumed_from=6)
 
 
+@pytest.mark.timeout(2 * FAULTED_BUDGET)
 def test_crash_while_writing_a_commit_resumes_from_the_previous_one(
     faulted: dict[str, Ran], fault_free: dict[str, Path]
 ) -> None:
@@ -257,7 +268,7 @@ def damaged_run(fault_free: dict[str, Path], root: Path) -> subprocess.Completed
              "--max-steps", str(STEPS)] for damage in DAMAGES]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=0", str(SCRIPTS / "in_sequence.py"), json.dumps(runs)]  # fmt: skip
-    return run_command(cmd, 120, PYTHONPATH=str(SCRIPTS))
+    return run_command(cmd, LAUNCH_BUDGET, PYTHONPATH=str(SCRIPTS))
 
 
 INDIVISIBLE = {"scaled": [], "unscaled": ["--no-scale-lr"]}
@@ -282,7 +293,12 @@ def inline_runs(root: Path) -> subprocess.CompletedProcess[str]:
     runs = [
         ["elastic_inline.py", "--out", str(root / name), "--kill-step", kill] for name, kill in INLINE.items()
     ]
-    return run_in_sequence(runs, 120)
+    return run_in_sequence(runs, LAUNCH_BUDGET)
+
+
+RESUMED_BUDGET = LAUNCH_BUDGET * math.ceil(4 / AT_ONCE)
+"""Seconds for ``resumed``'s four launches, ``AT_ONCE`` at a time, each within ``LAUNCH_BUDGET``; the
+tests that read them get twice that as their timeout."""
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +319,7 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return launch_all(tmp_path_factory.mktemp("resumed"), cases)
 
 
+@pytest.mark.timeout(2 * RESUMED_BUDGET)
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_newest_commit_falls_back_to_the_previous_one(
     resumed: dict[str, Ran], fault_free: dict[str, Path], damage: str
@@ -330,6 +347,7 @@ def test_restarts_exhausted_exit_non_zero_in_bounded_time(tmp_path: Path) -> Non
     assert time.monotonic() - start < 100
 
 
+@pytest.mark.timeout(2 * RESUMED_BUDGET)
 def test_run_elastic_restarts_workers_without_torchrun(resumed: dict[str, Ran]) -> None:
     root, _ = launched(resumed, "inline")
     results = {name: json.loads((root / name / "results.json").read_text()) for name in INLINE}
@@ -464,6 +482,7 @@ def test_world_size_2_to_1_to_2_keeps_the_trajectory(
     assert diff <= SCALE_BOUND[reduction] * scale
 
 
+@pytest.mark.timeout(2 * RESUMED_BUDGET)
 def test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate(
     resumed: dict[str, Ran],
 ) -> None:
