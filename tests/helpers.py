@@ -131,12 +131,27 @@ def spawned(cmd: list[str], log: Path, **env: str) -> Any:
         proc.wait()
 
 
-def concurrently(calls: dict[K, Callable[[], V]]) -> dict[K, V]:
-    """Each of ``calls`` in a thread of its own, all at once (launches that mostly wait: on a timeout,
-    a sleep, a restart); their results by key, once all have returned (the first error re-raised)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+def concurrently(calls: dict[K, Callable[[], V]], at_once: int | None = None) -> dict[K, V]:
+    """Each of ``calls`` in a thread of its own, all at once or ``at_once`` at a time, in order
+    (launches that mostly wait: on a timeout, a sleep, a restart); their results by key, once all
+    have returned (the first error re-raised)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, at_once or len(calls))) as pool:
         futures = {key: pool.submit(call) for key, call in calls.items()}
     return {key: future.result() for key, future in futures.items()}
+
+
+def lanes_budget(launches: int, budget: float, at_once: int) -> float:
+    """Seconds ``launches`` of at most ``budget`` seconds each take at worst, ``at_once`` at a time
+    (``concurrently``): the last starts once the others' work is shared out, then runs alone."""
+    return budget * ((launches - 1) / at_once + 1)
+
+
+def runs_test(request: Any, test: Callable[..., Any]) -> bool:
+    """Whether this session runs ``test`` (any of its cases), a test of the requesting module."""
+    return any(
+        getattr(item, "originalname", None) == test.__name__ and item.path == request.path
+        for item in request.session.items
+    )
 
 
 def selected_cases(request: Any, test: Callable[..., Any], *params: str) -> list[tuple[Any, ...]]:

@@ -8,13 +8,11 @@ import functools
 import hashlib
 import io
 import json
-import math
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,9 +26,11 @@ from helpers import (
     assert_same_weights,
     concurrently,
     kill_tree,
+    lanes_budget,
     max_abs_diff,
     run_command,
     run_in_sequence,
+    runs_test,
     selected_cases,
     spawned,
 )
@@ -75,18 +75,17 @@ towards its budget (on a loaded machine, past it)."""
 def launch_all(root: Path, cases: dict[str, Launch], at_once: int = AT_ONCE) -> dict[str, Ran]:
     """Each of ``cases`` (name -> its launch, into ``root / name``), ``at_once`` at a time; name ->
     what it ran to (its seconds count from its own start, so each keeps its whole budget)."""
-    slots = threading.Semaphore(at_once)
 
     def run(name: str, launch: Launch) -> Ran:
-        with slots:
-            out, start = root / name, time.monotonic()
-            try:
-                proc: Union[subprocess.CompletedProcess[str], str] = launch(out)
-            except (AssertionError, subprocess.TimeoutExpired) as exc:
-                proc = f"{type(exc).__name__}: {exc}"
-            return out, proc, time.monotonic() - start
+        out, start = root / name, time.monotonic()
+        try:
+            proc: Union[subprocess.CompletedProcess[str], str] = launch(out)
+        except (AssertionError, subprocess.TimeoutExpired) as exc:
+            proc = f"{type(exc).__name__}: {exc}"
+        return out, proc, time.monotonic() - start
 
-    return concurrently({name: functools.partial(run, name, launch) for name, launch in cases.items()})
+    calls = {name: functools.partial(run, name, launch) for name, launch in cases.items()}
+    return concurrently(calls, at_once=at_once)
 
 
 def launched(runs: dict[str, Ran], name: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
@@ -94,11 +93,6 @@ def launched(runs: dict[str, Ran], name: str) -> tuple[Path, subprocess.Complete
     out, proc, _ = runs[name]
     assert not isinstance(proc, str), proc
     return out, proc
-
-
-def selected(request: pytest.FixtureRequest, test: Callable[..., Any]) -> bool:
-    """Whether this session runs ``test`` (any of its cases)."""
-    return any(getattr(item, "originalname", None) == test.__name__ for item in request.session.items)
 
 
 def torchrun_case(*args: str, **kwargs: Any) -> Launch:
@@ -155,7 +149,7 @@ FAULTS = {
 }
 """The runs of ``STEPS`` steps with a fault (``torchrun_proc``'s flags): rank 1 SIGKILLed after step 7
 (each reduction), rank 1 raising there, rank 0 killed while writing the commit of step 6."""
-FAULTED_BUDGET = LAUNCH_BUDGET * len(FAULTS)
+FAULTED_BUDGET = lanes_budget(len(FAULTS), LAUNCH_BUDGET, at_once=1)
 """Seconds for ``faulted``'s launches, one after another, each within ``LAUNCH_BUDGET``; the tests that
 read them get twice that as their timeout (the shared fault-free runs may start there too)."""
 
@@ -167,9 +161,9 @@ def faulted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     their budgets."""
     sigkill = test_sigkill_mid_epoch_resumes_from_the_last_commit
     names = [f"sigkill-{r}" for (r,) in selected_cases(request, sigkill, "reduction")]
-    if selected(request, test_exception_on_one_rank_restarts_from_the_last_commit):
+    if runs_test(request, test_exception_on_one_rank_restarts_from_the_last_commit):
         names.append("raise")
-    if selected(request, test_crash_while_writing_a_commit_resumes_from_the_previous_one):
+    if runs_test(request, test_crash_while_writing_a_commit_resumes_from_the_previous_one):
         names.append("commit")
     cases = {name: torchrun_case(*FAULTS[name]) for name in names}
     return launch_all(tmp_path_factory.mktemp("faulted"), cases, at_once=1)
@@ -296,7 +290,7 @@ def inline_runs(root: Path) -> subprocess.CompletedProcess[str]:
     return run_in_sequence(runs, LAUNCH_BUDGET)
 
 
-RESUMED_BUDGET = LAUNCH_BUDGET * math.ceil(4 / AT_ONCE)
+RESUMED_BUDGET = lanes_budget(4, LAUNCH_BUDGET, AT_ONCE)
 """Seconds for ``resumed``'s four launches, ``AT_ONCE`` at a time, each within ``LAUNCH_BUDGET``; the
 tests that read them get twice that as their timeout."""
 
@@ -307,11 +301,11 @@ def resumed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     (``damaged_run``), the two resumes on 3 ranks (``indivisible_run``: "indivisible-<name>") and
     ``run_elastic``'s pair (``inline_runs``)."""
     cases: dict[str, Launch] = {}
-    if selected(request, test_damaged_newest_commit_falls_back_to_the_previous_one):
+    if runs_test(request, test_damaged_newest_commit_falls_back_to_the_previous_one):
         cases["damaged"] = functools.partial(damaged_run, request.getfixturevalue("fault_free"))
-    if selected(request, test_run_elastic_restarts_workers_without_torchrun):
+    if runs_test(request, test_run_elastic_restarts_workers_without_torchrun):
         cases["inline"] = inline_runs
-    if selected(request, test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate):
+    if runs_test(request, test_indivisible_world_size_keeps_per_rank_batches_and_scales_the_learning_rate):
         for name, flags in INDIVISIBLE.items():
             cases[f"indivisible-{name}"] = functools.partial(
                 indivisible_run, request.getfixturevalue("fault_free"), flags

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import shared_runs
 import torch
-from helpers import assert_same_weights, max_abs_diff
+from helpers import assert_same_weights, max_abs_diff, runs_test
 from lightning.pytorch.strategies import StrategyRegistry
 from test_elastic import (
     GLOBAL_BATCH,
@@ -26,7 +26,6 @@ from test_elastic import (
     launch_all,
     launched,
     sample_log,
-    selected,
     torchrun_case,
     torchrun_proc,
 )
@@ -102,9 +101,9 @@ def diloco_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     """``launch_all`` of this file's launches this session runs, at once: rank 1 killed after step 7
     ("killed"), and a resume on 1 worker ("resized", ``resized_run``)."""
     cases: dict[str, Launch] = {}
-    if selected(request, test_sigkill_mid_period_resumes_bitwise):
+    if runs_test(request, test_sigkill_mid_period_resumes_bitwise):
         cases["killed"] = torchrun_case(*DILOCO, "--kill-rank", "1", "--kill-step", "7", timeout=100)
-    if selected(request, test_resume_at_another_world_size_starts_from_the_last_sync):
+    if runs_test(request, test_resume_at_another_world_size_starts_from_the_last_sync):
         cases["resized"] = functools.partial(resized_run, request.getfixturevalue("shared_torchrun"))
     return launch_all(tmp_path_factory.mktemp("diloco"), cases)
 

@@ -14,10 +14,18 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers import ROOT, SCRIPTS, assert_same_weights, concurrently, load_rank, run_command, selected_cases
+from helpers import (
+    ROOT,
+    SCRIPTS,
+    assert_same_weights,
+    concurrently,
+    load_rank,
+    run_command,
+    runs_test,
+    selected_cases,
+)
 from test_elastic import final_trajectory, sample_log
 
 from lightning_dist.strategies.horovod_elastic import HorovodElastic
@@ -132,14 +140,6 @@ def restarted_run(out: Path) -> str:
     return ""
 
 
-def runs_this_session(request: pytest.FixtureRequest, test: Callable[..., Any]) -> bool:
-    """Whether this session runs ``test`` (a test of this module that is not parametrized)."""
-    return any(
-        getattr(item, "originalname", None) == test.__name__ and item.path == request.path
-        for item in request.session.items
-    )
-
-
 Verdicts = dict[str, tuple[Path, str]]
 """A launch's name -> its out folder and ``launch``'s verdict ("": it succeeded)."""
 
@@ -159,7 +159,7 @@ def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     for (rank0_on,) in selected_cases(request, test, "rank0_on"):
         outs[rank0_on] = root / f"rank0_on_{rank0_on}" / "elastic"
         calls[rank0_on] = partial(elastic_run, outs[rank0_on], rank0_on)
-    if runs_this_session(request, test_a_new_job_resumes_from_the_last_disk_commit):
+    if runs_test(request, test_a_new_job_resumes_from_the_last_disk_commit):
         outs["restarted"] = root / "restarted"
         calls["restarted"] = partial(restarted_run, outs["restarted"])
     return {name: (outs[name], failed) for name, failed in concurrently(calls).items()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from typing import Union
 
 import pytest
 import torch
-from helpers import MPIRUN_TWO_RANKS, SCRIPTS, concurrently, run_command, selected_cases
+from helpers import MPIRUN_TWO_RANKS, SCRIPTS, concurrently, lanes_budget, run_command, selected_cases
 from torch import nn
 
 from lightning_dist.collectives import Communicator
@@ -144,10 +143,10 @@ OWNER = {"ddp": "DDP", "compressed": "Compressed", "elastic": "Elastic", "horovo
 def mismatched_runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[tuple[str, str], Launched]:
-    """The launch of every case this session runs, in ``LANES`` lanes at once, one after another in
-    each (alone, a launch leaves a core idle: its ranks wait on each other's start and outcome), each
-    in its own out folder within ``BUDGET_S``.
-    (strategy, mismatch) -> ``Launched`` (a budget's error is raised by that case's test)."""
+    """The launch of every case this session runs, ``LANES`` at a time (``concurrently``; alone, a
+    launch leaves a core idle: its ranks wait on each other's start and outcome), each in its own out
+    folder within ``BUDGET_S``. (strategy, mismatch) -> ``Launched`` (a budget's error is raised by
+    that case's test)."""
     root = tmp_path_factory.mktemp("mismatched")
 
     def launch(strategy: str, mismatch: str, launcher: list[str]) -> Launched:
@@ -166,18 +165,13 @@ def mismatched_runs(
         if not (NO_HOROVOD and case[0].startswith("horovod"))  # those tests are skipped
     ]
 
-    def one_after_another(lane: list[tuple[str, str, list[str]]]) -> dict[tuple[str, str], Launched]:
-        return {
-            (strategy, mismatch): launch(strategy, mismatch, launcher)
-            for strategy, mismatch, launcher in lane
-        }
-
-    lanes = concurrently({i: partial(one_after_another, cases[i::LANES]) for i in range(LANES)})
-    return {case: run for lane in lanes.values() for case, run in lane.items()}
+    calls = {(strategy, mismatch): partial(launch, strategy, mismatch, launcher)
+             for strategy, mismatch, launcher in cases}  # fmt: skip
+    return concurrently(calls, at_once=LANES)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(2 * BUDGET_S * math.ceil(len(CASES) / LANES))  # twice the fixture's budget
+@pytest.mark.timeout(2 * lanes_budget(len(CASES), BUDGET_S, LANES))  # twice the fixture's budget
 @pytest.mark.parametrize(("strategy", "mismatch", "launcher"), CASES)
 def test_every_rank_gets_the_error(
     mismatched_runs: dict[tuple[str, str], Launched],
