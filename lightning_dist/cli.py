@@ -16,8 +16,12 @@ def _env() -> int:
     import torch
 
     def line(name: str, value: str) -> None:
-        print(f"{name:<11} {value}")
+        print(f"{name:<14} {value}")
 
+    from lightning_dist import __version__
+
+    line("lightning-dist", __version__)
+    line("tested", _tested())
     line("python", platform.python_version())
     line("torch", f"{torch.__version__} (cuda available: {torch.cuda.is_available()})")
     line("lightning", lightning.__version__)
@@ -37,12 +41,36 @@ def _env() -> int:
     return 0
 
 
-def _version() -> str:
-    from lightning_dist import __version__
+def _tested() -> str:
+    """The minor versions the test suite ran on, e.g. ``python 3.11.x; torch 2.11.x, 2.13.x; ...``."""
     from lightning_dist.compat import TESTED
 
-    tested = "; ".join(f"{name} {', '.join(v + '.x' for v in versions)}" for name, versions in TESTED.items())
-    return f"lightning-dist {__version__} (tested with {tested})"
+    return "; ".join(f"{name} {', '.join(v + '.x' for v in versions)}" for name, versions in TESTED.items())
+
+
+def _installed() -> str:
+    """The installed versions of what ``TESTED`` names, each marked when its minor version is untested."""
+    import importlib.metadata
+    import platform
+
+    from lightning_dist.compat import TESTED
+
+    found = []
+    for name, minors in TESTED.items():
+        try:
+            version = platform.python_version() if name == "python" else importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+            continue
+        minor = ".".join(version.split("+")[0].split(".")[:2])
+        found.append(f"{name} {version}" + ("" if minor in minors else " (untested)"))
+    return ", ".join(found)
+
+
+def _version() -> str:
+    from lightning_dist import __version__
+
+    return f"lightning-dist {__version__} (tested with {_tested()})\ninstalled: {_installed()}"
 
 
 def _strategies() -> int:
@@ -65,7 +93,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         prog="lightning-dist", description="Distributed-training strategies for PyTorch Lightning."
     )
     parser.add_argument(
-        "--version", action="store_true", help="print the version and the tested torch/lightning versions"
+        "--version",
+        action="store_true",
+        help="print the version, the tested and the installed python/torch/lightning/torchmetrics versions",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the embedded workload with every strategy, print a table")

@@ -17,6 +17,7 @@ import torch
 from background import BackgroundJobs, Command
 from helpers import child_env, run_script
 
+import lightning_dist
 from lightning_dist.cli import main
 from lightning_dist.workload import WorkloadConfig
 
@@ -54,6 +55,8 @@ def parse_env(out: str) -> dict[str, str]:
 def check_env(out: str, path: str | None) -> None:
     """The printed versions are the installed ones, and each launcher is where ``path`` finds it."""
     got = parse_env(out)
+    assert got["lightning-dist"] == lightning_dist.__version__
+    assert "lightning 2.6.x" in got["tested"] and "torch 2.11.x, 2.13.x" in got["tested"]
     assert got["python"] == platform.python_version()
     assert got["torch"] == f"{torch.__version__} (cuda available: {torch.cuda.is_available()})"
     assert got["lightning"] == lightning.__version__
@@ -68,7 +71,17 @@ def check_env(out: str, path: str | None) -> None:
         assert got["horovod"] == horovod.__version__
     for tool in LAUNCHERS:
         assert got[tool] == (shutil.which(tool, path=path) or "not found"), tool
-    assert got.keys() == {"python", "torch", "lightning", "gloo", "nccl", "horovod", *LAUNCHERS}
+    assert got.keys() == {
+        "lightning-dist",
+        "tested",
+        "python",
+        "torch",
+        "lightning",
+        "gloo",
+        "nccl",
+        "horovod",
+        *LAUNCHERS,
+    }
 
 
 def test_env_prints_the_installed_versions_and_launchers(capsys: pytest.CaptureFixture[str]) -> None:

@@ -226,6 +226,30 @@ def test_notebook_code_teaches_not_tests(path: Path) -> None:
         assert not private, f"{path.name}: code cell {i} reaches private attributes {private}"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_writes_its_files_where_figures_dir_says(path: Path) -> None:
+    """A notebook's PNGs and JSON go to ``figures_dir()``, not to a folder named in the notebook."""
+    _, code = _cells(path)
+    src = "".join(_source(c) for c in code)
+    assert "FIGURES = str(figures_dir())" in src, f"{path.name}: FIGURES does not come from figures_dir()"
+    literal = re.findall(r"""["'](?:\.?/)?(?:notebooks/)?figures/?["']""", src)
+    assert not literal, f"{path.name}: writes to a folder named in the notebook: {literal}"
+
+
+def test_a_notebook_run_by_a_user_does_not_write_into_the_checkout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from lightning_dist.workload import figures_dir
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.delenv("LD_FIGURES_DIR", raising=False)
+    monkeypatch.chdir(root / "notebooks")  # where a user's Jupyter starts the kernel
+    default = figures_dir()
+    assert default.is_dir() and root not in default.parents and default != root, default
+    monkeypatch.setenv("LD_FIGURES_DIR", str(tmp_path / "mine"))
+    assert figures_dir() == (tmp_path / "mine").resolve() and (tmp_path / "mine").is_dir()
+
+
 # --- slow: run them, hold the numbers to the bounds -------------------------------------------------
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import lightning
 import pytest
 import tomllib
+import torch
 from helpers import ROOT, child_env
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import StrategyRegistry
@@ -152,6 +153,21 @@ def test_cli_version_names_the_tested_versions(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr().out
     assert out.startswith(f"lightning-dist {lightning_dist.__version__} (tested with ")
     assert "lightning 2.6.x" in out and "torch 2.11.x, 2.13.x" in out
+    installed = out.splitlines()[1]
+    assert installed.startswith("installed: "), out
+    assert f"torch {torch.__version__}" in installed and f"lightning {lightning.__version__}" in installed
+    assert "untested" not in installed, "the suite runs on the tested versions"
+
+
+def test_cli_version_marks_an_untested_installed_version(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda n: "2.9.0" if n == "lightning" else real(n))
+    assert main(["--version"]) == 0
+    assert "lightning 2.9.0 (untested)" in capsys.readouterr().out.splitlines()[1]
 
 
 def test_untested_lightning_minor_warns_naming_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
