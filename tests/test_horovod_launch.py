@@ -110,7 +110,9 @@ def test_one_device_without_a_launcher_trains_alone_and_says_so(caplog: pytest.L
     assert len(lines) == 1 and "world size 1" in lines[0] and "horovodrun -np N python " in lines[0]
 
 
-@pytest.mark.parametrize("var", ["OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMI_RANK"])
+@pytest.mark.parametrize(
+    "var", ["OMPI_COMM_WORLD_SIZE", "HOROVOD_RANK", "PMI_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR"]
+)
 def test_under_a_launcher_its_world_size_stands(caplog: pytest.LogCaptureFixture, var: str) -> None:
     """mpirun/horovodrun/srun --mpi decide the world (an elastic job may shrink to 1): no error, no line."""
     with caplog.at_level(logging.INFO, logger="lightning_dist"):

@@ -19,8 +19,16 @@ from lightning_dist.strategies.slurm_check import MPI_LAUNCH_VARS, MPIRUN_VARS
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_VARS = (*MPIRUN_VARS, *MPI_LAUNCH_VARS, "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_SIZE")
-"""Set in a process that horovodrun, mpirun/mpiexec or ``srun --mpi`` started."""
+LAUNCHER_VARS = (
+    *MPIRUN_VARS,
+    *MPI_LAUNCH_VARS,
+    "OMPI_COMM_WORLD_RANK",
+    "HOROVOD_RANK",
+    "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+    "HOROVOD_ELASTIC",
+)
+"""Set in a process that horovodrun (over MPI or Gloo, elastic too: its workers learn their rank at the
+rendezvous), mpirun/mpiexec or ``srun --mpi`` started."""
 
 
 ALTERNATIVES = {
