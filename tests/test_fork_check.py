@@ -171,7 +171,8 @@ def a_notebook_cell_that_touches_cuda() -> None:
 def test_fork_error_names_the_call_that_first_initialised_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_dist import fork_safety
 
-    monkeypatch.setattr(torch.cuda, "_lazy_init", torch.cuda._lazy_init)  # restored after the test
+    for module in (torch.cuda, torch.cuda.random, torch.cuda.memory):  # restored after the test
+        monkeypatch.setattr(module, "_lazy_init", module._lazy_init)
     monkeypatch.setattr(fork_safety, "_first_cuda_init", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU box, CUDA untouched
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
@@ -221,3 +222,68 @@ def test_run_elastic_refuses_to_fork_after_cuda_init_and_leaves_cuda_untouched(
     with pytest.raises(RuntimeError, match="run_elastic: CUDA was initialised in this process before a fork"):
         run_elastic(print, 2, start_method="fork")
     assert run_elastic(print, 2, start_method="spawn") == {} and started == ["fork", "spawn"]
+
+
+def cell_reading_every_rng() -> None:
+    torch.cuda.get_rng_state_all()  # torch.cuda.random's own copy of _lazy_init
+
+
+def cell_forking_the_rng() -> None:
+    with torch.random.fork_rng(devices=[0, 1], device_type="cuda"):  # reads every GPU's generator
+        pass
+
+
+def cell_reading_the_seed() -> None:
+    torch.cuda.initial_seed()
+
+
+def cell_capping_memory() -> None:
+    torch.cuda.set_per_process_memory_fraction(0.5)  # torch.cuda.memory's own copy of _lazy_init
+
+
+CUDA_THROUGH_SUBMODULES = {
+    "get_rng_state_all": (cell_reading_every_rng, "torch.cuda.get_rng_state_all()"),
+    "fork_rng": (cell_forking_the_rng, "torch.random.fork_rng(devices=[0, 1]"),
+    "initial_seed": (cell_reading_the_seed, "torch.cuda.initial_seed()"),
+    "memory_fraction": (cell_capping_memory, "torch.cuda.set_per_process_memory_fraction(0.5)"),
+}
+"""Calls that initialise CUDA through ``torch.cuda.random``'s and ``torch.cuda.memory``'s by-name
+imports of ``_lazy_init`` (not through ``torch.cuda._lazy_init``), and their line in the cell."""
+
+
+@pytest.mark.parametrize("cause", sorted(CUDA_THROUGH_SUBMODULES))
+def test_fork_error_names_a_cuda_init_through_torch_cuda_submodules(
+    monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    """A faked 2-GPU box whose CUDA initialisation records that it ran: a notebook cell that reads the
+    GPUs' RNG (the cause that broke the notebooks) or sets a memory cap is named in the fork error."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+
+    from lightning_dist import fork_safety
+
+    initialised: list[bool] = []
+
+    def fake_lazy_init() -> None:  # torch's, on a GPU box: initialises CUDA (on this CPU build it raises)
+        initialised.append(True)
+        raise RuntimeError("fake CUDA initialised")
+
+    for module in (torch.cuda, torch.cuda.random, torch.cuda.memory):  # each holds its own reference
+        monkeypatch.setattr(module, "_lazy_init", fake_lazy_init)
+    monkeypatch.setattr(fork_safety, "_first_cuda_init", [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for module in (torch.cuda, torch.cuda.random):  # get_rng_state_all counts through its own copy
+        monkeypatch.setattr(module, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: bool(initialised))
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(fabric_cuda, "is_cuda_available", lambda: True)
+    assert fork_safety.trace_cuda_init()
+    cell, line = CUDA_THROUGH_SUBMODULES[cause]
+    with pytest.raises(RuntimeError, match="fake CUDA initialised"):
+        cell()
+    assert initialised, "the cell reached CUDA's initialisation"
+    with pytest.raises(RuntimeError) as info:
+        check_fork_safe("fork", "DDP")
+    message = str(info.value)
+    assert "It was first initialised by this call:" in message, message
+    assert cell.__name__ in message and line in message
+    assert "fork_rng" in message and "get_rng_state" in message, "the usual causes include the RNG's"

@@ -9,6 +9,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 import torch
@@ -19,9 +20,13 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.collectives import Communicator, TorchBackend
-from lightning_dist.compat import _IS_INTERACTIVE, _init_dist_connection, _SubprocessScriptLauncher
+from lightning_dist.compat import _IS_INTERACTIVE, _PATH, _init_dist_connection, _SubprocessScriptLauncher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
+from lightning_dist.strategies.foreign_checkpoints import (
+    load_distributed_checkpoint,
+    warn_dropped_compressor_state,
+)
 from lightning_dist.strategies.fork_launcher import checked_launcher
 from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.names import register_class
@@ -189,6 +194,29 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         if module is not None and module._current_fx_name is not None:
             module.log("skipped_nonfinite_steps", float(guard.skipped), on_step=True, on_epoch=False)
         return result
+
+    # -- checkpoints another strategy wrote ---------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A checkpoint file, or the distributed checkpoint directory ``Sharded`` writes, loaded whole
+        (``foreign_checkpoints``); a compressor's state this strategy does not read is named."""
+        path = Path(str(checkpoint_path))
+        if path.is_dir():
+            checkpoint = load_distributed_checkpoint(
+                path,
+                type(self).__name__,
+                lambda meta: self.checkpoint_io.load_checkpoint(meta, weights_only=weights_only),
+            )
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not self.reads_compressor_state():
+            warn_dropped_compressor_state(checkpoint, type(self).__name__)
+        return checkpoint
+
+    def reads_compressor_state(self) -> bool:
+        """Whether this strategy loads ``Compressed``'s compressor state from a checkpoint:
+        ``Compressed`` and its subclasses do (``load_compressor_state``)."""
+        return callable(getattr(self, "load_compressor_state", None))
 
     @override
     def on_exception(self, exception: BaseException) -> None:

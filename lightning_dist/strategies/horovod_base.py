@@ -67,6 +67,9 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
             accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self.lr_scale = lr_scale
+        self.num_nodes = 1
+        """The Trainer's ``num_nodes`` (Lightning sets it): Horovod's launcher decides the nodes; it is
+        read only to tell a job that asked for several processes but was not launched."""
         self._backend: Optional[HorovodBackend] = None
         self.applied_lr_scale = 1.0
 
@@ -108,9 +111,11 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        from lightning_dist.strategies.horovod_launch import check_strategy_launched
         from lightning_dist.strategies.slurm_check import check_horovod_under_slurm
 
         check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
+        check_strategy_launched(self)  # devices=2 without horovodrun/mpirun would train alone
         self._set_communicator(Communicator(self.backend))
         logger.debug(
             "%s: rank %d of %d on %s",
