@@ -37,8 +37,9 @@ pytest.importorskip("torchft", reason="FaultTolerantDiLoCo needs torchft: pip in
 from lightning_dist.launch.fault_tolerant import Lighthouse  # noqa: E402
 from lightning_dist.workload.trainer import quiet_trainer  # noqa: E402
 
-STEPS, H, KILL_AT = 20, 5, 7
-"""Inner steps, inner steps per period, and the inner step at whose start group 1 dies (period 1)."""
+STEPS, H, KILL_AT = 22, 5, 7
+"""Inner steps, inner steps per period, and the inner step at whose start group 1 dies (period 1); the
+last period, a fit's tail, has the 2 steps after the sync at 20 (every group ends on the same weights)."""
 INT8_ATOL = 5e-3
 """The int8 run against the uncompressed fault-free run (module docstring)."""
 
@@ -235,8 +236,8 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Four launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H``, plain SGD
-    inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start of inner
+    """Four launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H`` (and a tail),
+    plain SGD inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start of inner
     step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only): with the pseudo-gradients
     uncompressed, in int8, and with ``rejoin_timeout_s=1`` (group 0 does not wait for it)."""
     base = tmp_path_factory.mktemp("ftd_runs")
