@@ -98,6 +98,34 @@ def test_outer_step_is_nesterov_sgd_on_the_last_sync_params() -> None:
     assert torch.equal(plain.anchors[0], w.detach())
 
 
+def test_the_tail_sync_runs_before_the_callbacks_that_save() -> None:
+    """TailSync goes just before the first ModelCheckpoint (Lightning runs those last) or the
+    strategy's own callback (its commits), whichever comes first; at the end without either; once."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dist.strategies.diloco_tail import TailSync, install_tail_sync
+
+    class Own(L.Callback):
+        def __init__(self, strategy: Any) -> None:
+            self.strategy = strategy
+
+    strategy, other = DiLoCo(inner_steps=2), DiLoCo(inner_steps=2)
+    user, checkpoint = L.Callback(), ModelCheckpoint()
+    for callbacks, expected in (
+        ([user, Own(other), checkpoint], 2),
+        ([user, checkpoint, Own(strategy)], 1),
+        ([user, Own(strategy), checkpoint], 1),
+        ([user], 1),
+    ):
+        trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+        trainer.callbacks = list(callbacks)
+        install_tail_sync(trainer, strategy)
+        install_tail_sync(trainer, strategy)
+        tails = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, TailSync)]
+        assert tails == [expected] and trainer.callbacks[expected].strategy is strategy
+
+
 # -- 2 processes over Gloo -----------------------------------------------------------------------
 def weights(out: Path, name: str, rank: int = 0) -> dict[str, torch.Tensor]:
     return torch.load(out / f"{name}.rank{rank}.pt")

@@ -237,8 +237,8 @@ def _jsonl(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Four launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H`` (and a tail),
-    plain SGD inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start of inner
-    step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only): with the pseudo-gradients
+    plain SGD inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start
+    of inner step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only): with the pseudo-gradients
     uncompressed, in int8, and with ``rejoin_timeout_s=1`` (group 0 does not wait for it)."""
     base = tmp_path_factory.mktemp("ftd_runs")
     dirs = {name: base / name for name in ("reference", "kill", "kill_int8", "alone")}

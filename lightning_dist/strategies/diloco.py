@@ -13,15 +13,16 @@ averaged too. Only the syncs send parameter-sized data: 1/``inner_steps`` of a r
 optimizer step (DiLoCo, Douillard et al. 2023, arXiv:2311.08105).
 
 When ``fit`` ends inside a period (``max_steps`` or the epochs' optimizer steps not a multiple of
-``inner_steps``, or a ``trainer.should_stop``), one more sync over the steps since the last one (the same
-outer step) ends every rank on the same weights, before the last validation and checkpoints
+``inner_steps``, or a ``trainer.should_stop``), one more sync over the steps since the last one (the
+same outer step) ends every rank on the same weights, before the last validation and checkpoints
 (``diloco_tail``); the next ``fit`` from there counts a new period.
 
 Between syncs every rank's weights and inner optimizer state differ. A checkpoint therefore holds every
 rank's model and inner optimizer state besides Lightning's rank-0 copy, plus the last-sync parameters,
 the outer momentum and the inner-step counter (``CHECKPOINT_KEY``); a run resumed from a checkpoint
-saved inside ``fit`` (``ModelCheckpoint``) loads its own rank's and continues exactly. One from another world size (or without that entry) starts every rank from the
-last-sync parameters (or rank 0's weights) with rank 0's inner optimizer state, with a warning.
+saved inside ``fit`` (``ModelCheckpoint``) loads its own rank's and continues exactly. One from
+another world size (or without that entry) starts every rank from the last-sync parameters (or rank
+0's weights) with rank 0's inner optimizer state, with a warning.
 Checkpoints must be saved on every rank (``trainer.save_checkpoint``, as ``ModelCheckpoint`` does).
 Validation inside ``fit`` sees each rank's current weights (the local ones between syncs; make
 ``val_check_interval`` a multiple of ``inner_steps`` to evaluate the synced model).
@@ -209,9 +210,9 @@ def inner_parameters(owner: str, module: nn.Module, optimizers: Sequence[Any]) -
 
 class DiLoCoLoop(CollectiveOpsMixin):
     """DiLoCo's schedule, shared by ``DiLoCo`` and ``ShardedDiLoCo``: the counters, a sync every
-    ``inner_steps`` optimizer steps and at the end of ``fit`` (``diloco_tail``), and the sync itself (pseudo-gradients averaged over
-    ``pseudo_gradient_comm()``, the outer step, buffers averaged over all ranks). Put it before the
-    strategy's base; the strategy sets ``outer`` and ``compressor``."""
+    ``inner_steps`` optimizer steps and at the end of ``fit`` (``diloco_tail``), and the sync itself
+    (pseudo-gradients averaged over ``pseudo_gradient_comm()``, the outer step, buffers averaged over
+    all ranks). Put it before the strategy's base; the strategy sets ``outer`` and ``compressor``."""
 
     outer: Optional[OuterSGD]
     compressor: Compressor

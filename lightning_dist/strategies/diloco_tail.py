@@ -15,8 +15,10 @@ Where the end is known the tail runs there, before anything reads the weights:
   checkpoint callback);
 - for a stop a callback decides (``trainer.should_stop`` where it ends ``fit``), in that hook
   (``on_train_batch_end``, ``on_validation_end``, ``on_train_epoch_end``) by ``TailSync``, which sits
-  just before the ``ModelCheckpoint`` callbacks (Lightning runs those last);
-- otherwise at the latest in ``on_train_end``, before ``ModelCheckpoint``'s ``save_last``.
+  just before the ``ModelCheckpoint`` callbacks (Lightning runs those last) and the strategy's own
+  (commits);
+- otherwise at the latest in ``on_train_end``, before ``ModelCheckpoint``'s ``save_last`` and the
+  strategy's last commit.
 """
 
 from __future__ import annotations
@@ -85,10 +87,15 @@ class TailSync(L.Callback):
 
 
 def install_tail_sync(trainer: L.Trainer, strategy: TailSyncing) -> None:
-    """Put ``TailSync(strategy)`` among ``trainer``'s callbacks, just before the first checkpoint
-    callback (at the end without one); once per strategy."""
+    """Put ``TailSync(strategy)`` among ``trainer``'s callbacks, just before the first that saves
+    state: a checkpoint callback or one of the strategy's own (its commits); at the end without one.
+    Once per strategy."""
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
     if any(isinstance(c, TailSync) and c.strategy is strategy for c in callbacks):
         return
-    first = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
-    callbacks.insert(first, TailSync(strategy))
+    saves = (
+        i
+        for i, c in enumerate(callbacks)
+        if isinstance(c, Checkpoint) or getattr(c, "strategy", None) is strategy
+    )
+    callbacks.insert(next(saves, len(callbacks)), TailSync(strategy))

@@ -37,10 +37,10 @@ last one of a ``fit`` that ends inside a period is its steps so far: ``diloco_ta
 
 Timeouts: a rejoining group waits in the Lighthouse for the others' next quorum, at their sync, and
 the others wait in the sync's all-reduce while it redoes its share: ``quorum_timeout_s`` and
-``timeout_s`` must exceed the time of one period. A ``fit`` that ends inside a period (``max_steps`` not
-a multiple of ``inner_steps``) syncs the steps so far (``diloco_tail``), so every group ends on the same
-weights and the last commit holds them. The training DataLoader is read as ``FaultTolerant``
-reads it (map-style, with ``batch_size``).
+``timeout_s`` must exceed the time of one period. A ``fit`` that ends inside a period (``max_steps``
+not a multiple of ``inner_steps``) syncs the steps so far (``diloco_tail``), so every group ends on
+the same weights and the last commit holds them. The training DataLoader is read as
+``FaultTolerant`` reads it (map-style, with ``batch_size``).
 """
 
 from __future__ import annotations
