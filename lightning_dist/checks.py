@@ -28,11 +28,11 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _bounds(low: float, high: Optional[float], low_open: bool) -> str:
-    """``>= 1``, ``> 0``, ``in [1, 64]`` or ``in (0, 1]``."""
+def _bounds(low: float, high: Optional[float], low_open: bool, high_open: bool = False) -> str:
+    """``>= 1``, ``> 0``, ``in [1, 64]``, ``in (0, 1]`` or ``in [0, 1)``."""
     if high is None:
         return f"{'>' if low_open else '>='} {low}"
-    return f"in {'(' if low_open else '['}{low}, {high}]"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
 
 def check_int(name: str, value: Any, low: int, high: Optional[int] = None, *, owner: str = "") -> None:
@@ -48,12 +48,14 @@ def check_number(
     high: Optional[float] = None,
     *,
     low_open: bool = False,
+    high_open: bool = False,
     owner: str = "",
 ) -> None:
-    """An int or float (not a bool, not nan) >= ``low`` (> when ``low_open``) and <= ``high``."""
+    """An int or float (not a bool, not nan) >= ``low`` (> when ``low_open``) and <= ``high`` (<
+    when ``high_open``)."""
     above = _is_real(value) and (value > low if low_open else value >= low)
-    if not (above and (high is None or value <= high)):
-        bounds = _bounds(low, high, low_open)
+    if not (above and (high is None or (value < high if high_open else value <= high))):
+        bounds = _bounds(low, high, low_open, high_open)
         _fail(owner, name, value, f"must be a number {bounds}" if high is None else f"must be {bounds}")
 
 

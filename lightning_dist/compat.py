@@ -43,10 +43,12 @@ __all__ = [
     "_init_dist_connection",
     "_materialize_distributed_module",
     "_optimizers_to_device",
+    "can_stop_early",
     "check_versions",
     "checkpoint_batch_progress",
     "disable_distributed_sampler",
     "fit_batches_started",
+    "last_batch_of_epoch",
     "restore_on_fit",
     "set_checkpoint_loader_state",
     "tested_range",
@@ -79,6 +81,8 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "Trainer._accelerator_connector.use_distributed_sampler",  # disable_distributed_sampler
     "Trainer._checkpoint_connector._loaded_checkpoint",  # restore_on_fit
     "Trainer.fit_loop.epoch_loop.batch_progress.current.ready",  # fit_batches_started (private classes)
+    "Trainer.fit_loop.epoch_loop.batch_progress.is_last_batch",  # last_batch_of_epoch
+    "Trainer.fit_loop._can_stop_early",  # can_stop_early
 )
 """Private attributes and methods of Lightning objects the strategies read or override, as paths from
 the object whose class is named first (``Trainer._checkpoint_connector._loaded_checkpoint``)."""
@@ -146,6 +150,20 @@ def fit_batches_started(trainer: Trainer) -> int:
     a resume counted (Lightning's batch progress ``ready``). No public API: the loop and progress
     classes holding it are private (``trainer.fit_loop`` is public, what it holds is not)."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def last_batch_of_epoch(trainer: Trainer) -> bool:
+    """Whether the training batch being run is the epoch's last (the loader is exhausted, or
+    ``limit_train_batches`` is reached): what the epoch loop itself reads to end the epoch. No public
+    API: the loop's progress classes are private."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return bool(progress.is_last_batch) or progress.current.ready == trainer.num_training_batches
+
+
+def can_stop_early(trainer: Trainer) -> bool:
+    """Whether a ``trainer.should_stop`` ends ``fit`` now (``min_epochs`` and ``min_steps`` met), as the
+    fit loop decides it. No public API: the fit loop's ``_can_stop_early``."""
+    return bool(trainer.fit_loop._can_stop_early)
 
 
 def checkpoint_batch_progress(checkpoint: MutableMapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """DiLoCo: argument checks and the outer step (fast), then 2 CPU processes over Gloo against references:
 DDP (H=1, outer SGD lr 1, no momentum, inner SGD), a single-process DiLoCo written in
-tests/references.py (H=4, AdamW, Nesterov), an uninterrupted run (resume mid-period), and the wire
-model (bytes per optimizer step = 1/H of the pseudo-gradient exchange)."""
+tests/references.py (H=4, AdamW, Nesterov), an uninterrupted run (resume mid-period), the wire
+model (bytes per optimizer step = 1/H of the pseudo-gradient exchange), and the tail (a fit that ends
+inside a period: every rank on the same weights, the final checkpoint's, by a hand-computed outer step)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dist import DiLoCo
 from lightning_dist.compression import Int8Quantization, PowerSGD, ring_all_reduce_bytes
-from lightning_dist.strategies.diloco import DILOCO_COMPRESSIONS
+from lightning_dist.strategies.diloco import CHECKPOINT_KEY, DILOCO_COMPRESSIONS
 from lightning_dist.strategies.diloco_outer import OuterSGD
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
@@ -33,7 +34,7 @@ LR, WEIGHT_DECAY = 3e-3, 0.01  # the script's AdamW
         *bad_integers("inner_steps"),
         ({"outer_lr": 0}, "outer_lr=0 must be a number > 0"),
         ({"outer_lr": float("nan")}, "outer_lr=nan must be a number > 0"),
-        ({"outer_momentum": -0.1}, r"outer_momentum=-0.1 must be in \[0, 1\]"),
+        ({"outer_momentum": -0.1}, r"outer_momentum=-0.1 must be in \[0, 1\)"),
         ({"outer_momentum": 1.0}, r"outer_momentum=1.0 must be in \[0, 1\)"),
         ({"nesterov": 1}, "nesterov=1 must be True or False"),
         ({"sync_buffers": None}, "sync_buffers=None must be True or False"),
@@ -97,6 +98,34 @@ def test_outer_step_is_nesterov_sgd_on_the_last_sync_params() -> None:
     assert torch.equal(plain.anchors[0], w.detach())
 
 
+def test_the_tail_sync_runs_before_the_callbacks_that_save() -> None:
+    """TailSync goes just before the first ModelCheckpoint (Lightning runs those last) or the
+    strategy's own callback (its commits), whichever comes first; at the end without either; once."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dist.strategies.diloco_tail import TailSync, install_tail_sync
+
+    class Own(L.Callback):
+        def __init__(self, strategy: Any) -> None:
+            self.strategy = strategy
+
+    strategy, other = DiLoCo(inner_steps=2), DiLoCo(inner_steps=2)
+    user, checkpoint = L.Callback(), ModelCheckpoint()
+    for callbacks, expected in (
+        ([user, Own(other), checkpoint], 2),
+        ([user, checkpoint, Own(strategy)], 1),
+        ([user, Own(strategy), checkpoint], 1),
+        ([user], 1),
+    ):
+        trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+        trainer.callbacks = list(callbacks)
+        install_tail_sync(trainer, strategy)
+        install_tail_sync(trainer, strategy)
+        tails = [i for i, c in enumerate(trainer.callbacks) if isinstance(c, TailSync)]
+        assert tails == [expected] and trainer.callbacks[expected].strategy is strategy
+
+
 # -- 2 processes over Gloo -----------------------------------------------------------------------
 def weights(out: Path, name: str, rank: int = 0) -> dict[str, torch.Tensor]:
     return torch.load(out / f"{name}.rank{rank}.pt")
@@ -124,6 +153,8 @@ def initial_weights() -> dict[str, torch.Tensor]:
 H4 = {"inner_steps": 4}
 RESUME = {"options": H4, "batches_per_epoch": 6}
 """6 optimizer steps per epoch with H=4: the end of epoch 1 is inner step 2 of the second period."""
+TAIL = {"options": H4, "checkpoint": {}}
+"""Fits of 6 optimizer steps with H=4 (a sync at 4, a tail of 2) and a ModelCheckpoint(save_last=True)."""
 
 
 FIXTURE_BUDGET = 240
@@ -161,10 +192,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "precision": "16-mixed",
         },
         {"name": "buffer", "options": {"inner_steps": 2}, "steps": 4, "buffer": True, "record_batches": True},
-        {"name": "full", "epochs": 2, **RESUME},
-        {"name": "first", "epochs": 1, "save": ckpt, **RESUME},
+        {"name": "full", "epochs": 2, "save": ckpt, "save_at_epoch": 0, **RESUME},
         {"name": "resumed", "epochs": 2, "resume": ckpt, **RESUME},
         {"name": "dropped", "epochs": 2, "resume": ckpt, "drop_diloco_state": True, **RESUME},
+        # the tail: max_steps (last.ckpt written at on_train_end), max_epochs, a should_stop
+        {"name": "tail", **TAIL, "steps": 6, "checkpoint": {"save_top_k": 0}, "record_tail": True},
+        {"name": "epoch_tail", **TAIL, "epochs": 1, "batches_per_epoch": 6},
+        {"name": "stopped", **TAIL, "steps": 20, "stop_at": 6},
     ]
     run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=FIXTURE_BUDGET)
     return out
@@ -223,10 +257,10 @@ def test_resume_mid_period_is_bitwise_uninterrupted(trained: Path, tmp_path: Pat
     for rank in (0, 1):
         assert_same_weights(weights(trained, "resumed", rank), weights(trained, "full", rank), atol=0)
     # without DiLoCo's entry (a checkpoint of another strategy): a warning, every rank from rank 0's
-    # weights and inner state, the outer state and the inner-step count afresh (a sync at step 10);
-    # it trains on but does not continue exactly
+    # weights and inner state, the outer state and the inner-step count afresh (a sync at step 10,
+    # the tail's at 12); it trains on but does not continue exactly
     dropped = info(trained, "dropped")
-    assert dropped["global_step"] == 12 and dropped["syncs"] == 1 and dropped["inner_step"] == 2
+    assert dropped["global_step"] == 12 and dropped["syncs"] == 2 and dropped["inner_step"] == 0
     drift = max_abs_diff(weights(trained, "dropped"), weights(trained, "full"))
     print(f"resumed without DiLoCo's state: max abs diff {drift:.3g} from the uninterrupted run")
     assert drift > 1e-4
@@ -242,9 +276,10 @@ def test_resume_at_another_world_size_starts_from_the_last_sync(trained: Path) -
     proc = run_script([SCRIPT, "--out", str(out), "--runs", json.dumps([run]), "--devices", "1"], timeout=120)
     assert "saved at world size 2, this run has 1" in proc.stderr + proc.stdout
     got = info(out, "w1")
-    # 12 optimizer steps of 1 rank's 6 batches per epoch: resumed at 6 with inner step 0, one sync at 10
+    # 12 optimizer steps of 1 rank's 6 batches per epoch: resumed at 6 with inner step 0, one sync at
+    # 10, the tail's at 12
     assert got["world_size"] == 1 and got["global_step"] == 12
-    assert got["syncs"] == 2 and got["inner_step"] == 2 and got["sync_bytes"] == 0
+    assert got["syncs"] == 3 and got["inner_step"] == 0 and got["sync_bytes"] == 0
     assert math.isfinite(got["train_loss"])
 
 
@@ -300,3 +335,66 @@ def test_float_buffers_are_averaged_at_each_sync(trained: Path) -> None:
         assert value == pytest.approx(expected, rel=1e-6), (value, expected)
     local = [sum(float(x.double().mean()) for x, _ in shard) for shard in batches]
     assert abs(local[0] - local[1]) > 1.0, "the ranks' own sums differ, so averaging shows"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
+@pytest.mark.parametrize(
+    ("name", "checkpoints"),
+    [
+        ("tail", ["last.ckpt"]),
+        ("epoch_tail", ["epoch=0-step=6.ckpt", "last.ckpt"]),
+        ("stopped", ["epoch=0-step=6.ckpt", "last.ckpt"]),
+    ],
+)
+def test_a_fit_ending_inside_a_period_ends_every_rank_on_the_saved_weights(
+    trained: Path, name: str, checkpoints: list[str]
+) -> None:
+    """6 optimizer steps with H=4, ended by max_steps, by max_epochs and by a should_stop: the 2
+    steps after the sync at 4 are synced (a second sync), so both ranks end on the same weights,
+    bitwise, and every checkpoint ModelCheckpoint wrote at the end holds them (Lightning's rank-0
+    copy and each rank's DiLoCo entry)."""
+    r0, r1 = weights(trained, name, 0), weights(trained, name, 1)
+    assert_same_weights(r1, r0, atol=0)
+    assert max_abs_diff(r0, initial_weights()) > 1e-3, "the comparison is of trained weights"
+    for rank in (0, 1):
+        got = info(trained, name, rank)
+        assert (got["global_step"], got["syncs"], got["inner_step"]) == (6, 2, 0)
+    saved = sorted(p.name for p in (trained / name).iterdir())
+    assert saved == checkpoints
+    for file in saved:
+        checkpoint = torch.load(trained / name / file, weights_only=False)
+        assert checkpoint["global_step"] == 6, file
+        assert_same_weights(checkpoint["state_dict"], r0, atol=0)
+        entry = checkpoint[CHECKPOINT_KEY]
+        assert (entry["syncs"], entry["inner_step"]) == (2, 0), file
+        for own in entry["ranks"]:
+            assert_same_weights(own["state_dict"], r0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
+def test_the_tail_is_the_outer_step_of_the_steps_since_the_last_sync(trained: Path) -> None:
+    """From what each rank held before the tail sync (its weights after 2 inner steps; the last-sync
+    weights and outer momentum, the same on both), by hand in float64: the averaged pseudo-gradient
+    g = mean_r(anchor - w_r), the momentum m = 0.9 m + g and the Nesterov step anchor - 0.7 (g + 0.9 m),
+    the outer step of a full period. Within 1e-6 (float32 rounding of weights about 1 in size)."""
+    before = [torch.load(trained / f"tail.rank{r}.tail.pt") for r in (0, 1)]
+    assert [b["inner_step"] for b in before] == [2, 2]
+    outer = before[0]["outer"]
+    assert same_tree(outer, before[1]["outer"]), "the ranks share the outer state"
+    assert outer["momentum"].keys() == outer["anchors"].keys(), "the sync at 4 left a momentum"
+    assert max_abs_diff(before[0]["params"], before[1]["params"]) > 1e-4, "the ranks' inner steps differ"
+    expected, average = {}, {}
+    for name, anchor in outer["anchors"].items():
+        a = anchor.double()
+        g = sum(a - b["params"][name].double() for b in before) / 2
+        m = 0.9 * outer["momentum"][name].double() + g
+        expected[name] = a - 0.7 * (g + 0.9 * m)
+        average[name] = sum(b["params"][name].double() for b in before) / 2
+    got = weights(trained, "tail")
+    got = {name: got[name].double() for name in expected}
+    drift = max(float((got[n] - expected[n]).abs().max()) for n in expected)
+    print(f"tail vs the hand-computed outer step: max abs diff {drift:.3g}")
+    assert drift <= 1e-6
+    assert max_abs_diff(got, average) > 1e-3, "the tail is the outer step, not a plain average"

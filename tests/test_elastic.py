@@ -22,6 +22,7 @@ import pytest
 import torch
 from background import BackgroundJobs, Command, python_call
 from helpers import (
+    ROOT,
     SCRIPTS,
     assert_same_weights,
     concurrently,
@@ -36,6 +37,10 @@ from helpers import (
 )
 
 from lightning_dist.elastic import commits
+
+CHILD_PATH = os.pathsep.join([str(ROOT), str(SCRIPTS)])
+"""The workers' PYTHONPATH: this checkout's package (not another one installed in the environment),
+then the scripts' helpers."""
 
 pytestmark = pytest.mark.slow
 COMMIT_EVERY, STEPS, GLOBAL_BATCH = 3, 12, 8  # tiny workload: batch 4 per rank, 2 ranks
@@ -57,7 +62,7 @@ def torchrun_proc(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", str(SCRIPTS / "elastic_run.py"), "--out", str(out),
            "--commit-every", str(COMMIT_EVERY), "--max-steps", str(steps), *args]  # fmt: skip
-    return run_command(cmd, timeout, PYTHONPATH=str(SCRIPTS), **env)
+    return run_command(cmd, timeout, PYTHONPATH=CHILD_PATH, **env)
 
 
 Launch = Callable[[Path], subprocess.CompletedProcess[str]]
@@ -262,7 +267,7 @@ def damaged_run(fault_free: dict[str, Path], root: Path) -> subprocess.Completed
              "--max-steps", str(STEPS)] for damage in DAMAGES]  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "--max-restarts=0", str(SCRIPTS / "in_sequence.py"), json.dumps(runs)]  # fmt: skip
-    return run_command(cmd, LAUNCH_BUDGET, PYTHONPATH=str(SCRIPTS))
+    return run_command(cmd, LAUNCH_BUDGET, PYTHONPATH=CHILD_PATH)
 
 
 INDIVISIBLE = {"scaled": [], "unscaled": ["--no-scale-lr"]}
@@ -404,7 +409,7 @@ def scale_run(out: Path, reduction: str) -> tuple[int, int]:
     out.mkdir(parents=True)
     port, args = free_port(), REDUCTIONS[reduction]
     # torch's shared rendezvous store loses the master address when a node leaves and joins again
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(SCRIPTS)}
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": CHILD_PATH}
     deadline = time.monotonic() + SCALE_BUDGET
     with spawned(elastic_agent(out, port, True, *args), out / "agent_a.log", **env) as agent_a:
         time.sleep(1.0)  # agent A hosts the rendezvous store

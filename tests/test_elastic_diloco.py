@@ -1,7 +1,8 @@
 """ElasticDiLoCo: DiLoCo with Elastic's commits. Fast: options, registry, the class layout. Slow, under
 torchrun (2 CPU workers, Gloo): a worker SIGKILLed mid-period resumes from the last commit (which holds
 DiLoCo's entry) and ends bitwise on the fault-free weights; a resume at another world size takes
-DiLoCo's fallback (the last-sync parameters, with a warning)."""
+DiLoCo's fallback (the last-sync parameters, with a warning); a fit of 7 steps (inside the second
+period) ends both workers on the same weights."""
 
 from __future__ import annotations
 
@@ -155,10 +156,27 @@ def test_resume_at_another_world_size_starts_from_the_last_sync(diloco_runs: dic
     assert "DiLoCo: the checkpoint was saved at world size 2, this run has 1" in proc.stderr
     facts = json.loads((out / "rank0.json").read_text())
     assert facts["world_size"] == 1 and facts["global_step"] == STEPS and facts["resumed_from"] == 6
-    # from step 6 at inner step 0: one sync at step 10, then 2 inner steps
-    assert (facts["syncs"], facts["inner_step"]) == (2, 2)
+    # from step 6 at inner step 0: one sync at step 10, then 2 inner steps synced at the end (the tail)
+    assert (facts["syncs"], facts["inner_step"]) == (3, 0)
     trajectory = final_trajectory(out)
     assert sorted(trajectory) == list(range(STEPS))
     used = [s for step in trajectory.values() for s in step]
     assert len(used) == STEPS * GLOBAL_BATCH and len(set(used)) == len(used), "a sample used twice"
     assert all(torch.isfinite(t).all() for t in torch.load(out / "rank0.pt").values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * shared_runs.BUDGET)  # the shared fault-free runs may start here
+def test_a_fit_ending_inside_a_period_ends_both_workers_on_the_same_weights(
+    shared_torchrun: dict[str, Path],
+) -> None:
+    """tests/shared_runs.py's ElasticDiLoCo(inner_steps=4) run of max_steps=7: the 3 steps after the
+    sync at 4 are synced at the end of fit (a second sync), so both workers end bitwise on the same
+    weights, which moved from the first sync's."""
+    out = shared_torchrun["diloco_stopped_after_7"]
+    facts = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all((f["global_step"], f["syncs"], f["inner_step"]) == (7, 2, 0) for f in facts), facts
+    r0, r1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert_same_weights(r1, r0, atol=0)
+    first_sync = commits._read_commit(commits.CommitStore(out / "commits").path(6), "cpu")[CHECKPOINT_KEY]
+    assert max_abs_diff(first_sync["outer"]["anchors"], r0) > 1e-4, "the tail moved the weights"

@@ -217,3 +217,38 @@ def test_cluster_down_failure_names_the_command_that_cleans_up(monkeypatch: pyte
     message = str(info.value)
     assert "down() left namespaces behind: could not delete network namespace ldtest-node0: busy" in message
     assert "python -m lightning_dist.cluster.netns down --prefix ldtest" in message
+
+
+# -- DiLoCo's family: outer_momentum's range, ShardedDiLoCo's shard_compression --------------------
+@pytest.mark.parametrize("value", [1.5, 1, 1.0, -0.1, float("nan"), "0.9"])
+@pytest.mark.parametrize("family", ["DiLoCo", "ShardedDiLoCo", "ElasticDiLoCo", "FaultTolerantDiLoCo"])
+def test_outer_momentum_names_the_range_it_accepts(family: str, value: Any) -> None:
+    """1 is refused, so the message says [0, 1), for every value and every strategy that takes it."""
+    import lightning_dist
+
+    if family == "FaultTolerantDiLoCo":
+        pytest.importorskip("torchft")
+    with pytest.raises(ValueError, match=rf"^outer_momentum={value!r} must be in \[0, 1\)$"):
+        getattr(lightning_dist, family)(outer_momentum=value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"shard_compression": "zip"},
+            r"^shard_compression='zip' is not supported; accepted: None, 'bf16', 'fp16', 'int8'$",
+        ),
+        (
+            {"error_feedback": True},
+            r"^error_feedback=True needs shard_compression='int8' \(got shard_compression=None\); "
+            r"accepted: error_feedback=False, or shard_compression='int8'$",
+        ),
+    ],
+)
+def test_sharded_diloco_names_shard_compression(kwargs: dict[str, Any], message: str) -> None:
+    """ShardedDiLoCo's own name for Sharded's compression (its compression is the pseudo-gradients')."""
+    from lightning_dist import ShardedDiLoCo
+
+    with pytest.raises(ValueError, match=message):
+        ShardedDiLoCo(**kwargs)

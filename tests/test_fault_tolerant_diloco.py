@@ -18,8 +18,8 @@ the distance the weights moved); that run is not compared at a tolerance here, a
 group loads (Adam's moments included) is checked bitwise against the peer's last-sync state instead.
 
 The int8 run (pseudo-gradients in int8 on the wire) is compared with the uncompressed fault-free run:
-atol 5e-3, measured 9.7e-4 max abs on weights of at most 0.35 (the quantisation of 4 syncs; the same
-int8 run without the kill ends bitwise on the same weights, measured once by hand).
+atol 5e-3, measured 1.2e-3 max abs on weights of at most 0.35 (the quantisation of 5 syncs; the same
+int8 run without the kill ends bitwise on the same weights, measured once by hand at 20 steps).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ pytest.importorskip("torchft", reason="FaultTolerantDiLoCo needs torchft: pip in
 from lightning_dist.launch.fault_tolerant import Lighthouse  # noqa: E402
 from lightning_dist.workload.trainer import quiet_trainer  # noqa: E402
 
-STEPS, H, KILL_AT = 20, 5, 7
-"""Inner steps, inner steps per period, and the inner step at whose start group 1 dies (period 1)."""
+STEPS, H, KILL_AT = 22, 5, 7
+"""Inner steps, inner steps per period, and the inner step at whose start group 1 dies (period 1); the
+last period, a fit's tail, has the 2 steps after the sync at 20 (every group ends on the same weights)."""
 INT8_ATOL = 5e-3
 """The int8 run against the uncompressed fault-free run (module docstring)."""
 
@@ -105,12 +106,17 @@ def test_every_slot_has_one_group_and_the_shares_weigh_one(participants: int, sl
 
 
 def _fit_one_group(
-    root: Path, run_again_at: Optional[int] = None, max_steps: int = 9, commits: Optional[Path] = None
+    root: Path,
+    run_again_at: Optional[int] = None,
+    max_steps: int = 9,
+    commits: Optional[Path] = None,
+    crash_at: Optional[int] = None,
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """A one-group FaultTolerantDiLoCo fit in this process (Adam, a per-step schedule, periods of 3
     inner steps); with ``run_again_at``, the sync of that period does not commit, twice, and each time
     the period runs again from the last sync (as when its groups are not back within
-    ``rejoin_timeout_s``); with ``commits``, a commit at every sync there (resumed from when there is one)."""
+    ``rejoin_timeout_s``); with ``commits``, a commit at every sync there (resumed from when there is one);
+    with ``crash_at``, the job fails at the start of that inner step (an exception out of ``fit``)."""
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -132,6 +138,8 @@ def _fit_one_group(
             self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if strategy.data_step() == crash_at:
+                raise RuntimeError("the job fails")
             x, y = batch
             return torch.nn.functional.mse_loss(self.net(x), y)
 
@@ -156,7 +164,11 @@ def _fit_one_group(
         trainer = quiet_trainer(
             accelerator="cpu", strategy=strategy, max_steps=max_steps, default_root_dir=root
         )
-        trainer.fit(module, DataLoader(data, batch_size=4))
+        try:
+            trainer.fit(module, DataLoader(data, batch_size=4))
+        except RuntimeError as error:
+            if crash_at is None or "the job fails" not in str(error):
+                raise
     return strategy, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
@@ -176,19 +188,45 @@ def test_a_period_run_again_from_the_last_sync_ends_on_the_same_weights(tmp_path
 
 
 def test_a_whole_job_restart_resumes_from_the_commit_of_the_last_sync(tmp_path: Path) -> None:
-    """Commits are the floor: a job ended one inner step after its second sync and started again on
+    """Commits are the floor: a job failed one inner step after its second sync and started again on
     its commits resumes at the commit of sync 2 (the weights, Adam's moments, the schedule and the
     outer state as of it; the inner step after it is run again) and ends bitwise on the weights of a
     job that ran through, each inner step trained once."""
     through, expected = _fit_one_group(tmp_path / "through")
     commits = tmp_path / "commits"
-    with pytest.warns(UserWarning, match="not a multiple of inner_steps"):
-        first, _ = _fit_one_group(tmp_path / "first", max_steps=7, commits=commits)
+    first, _ = _fit_one_group(tmp_path / "first", commits=commits, crash_at=7)
     again, got = _fit_one_group(tmp_path / "again", commits=commits)
     assert (first.resumed_from, again.resumed_from) == (None, 2)
     assert [r.step for r in first.committed + again.committed] == list(range(9))
     assert [r.indices for r in first.committed + again.committed] == [r.indices for r in through.committed]
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+
+def test_a_fit_ending_inside_a_period_syncs_its_steps_and_the_next_fit_goes_on_from_there(
+    tmp_path: Path,
+) -> None:
+    """max_steps=7 with periods of 3: the tail (inner step 6) is synced at the end of fit, with the
+    outer step: the weights are the last-sync ones, and the last commit (of that sync, 3) holds them.
+    The data position is kept across it: a job started again on the commits (max_steps=9) trains
+    inner steps 7 and 8 on the samples a job that ran through trained them on, and syncs its own
+    tail (so it ends on other weights than that job: its periods are 3, 3, 1, 2)."""
+    from lightning_dist.elastic.commits import CommitStore
+
+    through, _ = _fit_one_group(tmp_path / "through")
+    commits = tmp_path / "commits"
+    first, got = _fit_one_group(tmp_path / "first", max_steps=7, commits=commits)
+    assert (first.inner_step, first.data_step(), first.lightning_module.trainer.global_step) == (0, 7, 7)
+    assert [r.step for r in first.committed] == list(range(7)), "the tail's step is committed"
+    anchors = dict(zip(first.outer.names, first.outer.anchors, strict=True))
+    assert anchors.keys() == got.keys() and all(torch.equal(got[k], anchors[k]) for k in got)
+    last = CommitStore(commits).load_latest()
+    assert last is not None and last.step == 3 and last.state["state"]["diloco"]["period_start"] == 7
+    assert all(torch.equal(last.state["state"]["model"][k], got[k]) for k in got)
+    again, _ = _fit_one_group(tmp_path / "again", commits=commits)
+    assert again.resumed_from == 3 and (again.inner_step, again.data_step()) == (0, 9)
+    assert CommitStore(commits).latest_step() == 4, "the second job's tail, inner steps 7 and 8, synced"
+    assert [r.step for r in again.committed] == [7, 8]
+    assert [r.indices for r in again.committed] == [r.indices for r in through.committed[7:]]
 
 
 # -- slow: a kill inside a period ------------------------------------------------------------------------
@@ -198,9 +236,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Four launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H``, plain SGD
-    inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start of inner
-    step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only): with the pseudo-gradients
+    """Four launches at once, 2 replica groups, ``STEPS`` inner steps in periods of ``H`` (and a tail),
+    plain SGD inside: the fault-free run, and three where group 1's worker SIGKILLs itself at the start
+    of inner step ``KILL_AT`` (torchft's ``fail_at``; its attempt 0 only): with the pseudo-gradients
     uncompressed, in int8, and with ``rejoin_timeout_s=1`` (group 0 does not wait for it)."""
     base = tmp_path_factory.mktemp("ftd_runs")
     dirs = {name: base / name for name in ("reference", "kill", "kill_int8", "alone")}

@@ -1,7 +1,8 @@
 """ShardedDiLoCo: argument checks and names (fast), then one 4-process launch (2 replica groups x 2
 shards, CPU, Gloo) against references: Sharded() HSDP (H=1, outer SGD lr 1, no momentum, inner SGD),
 an uninterrupted run (resume mid-period), the uncompressed run (int8 pseudo-gradients, a bound from
-the quantisation step), and a resume at another shard count (the last-sync weights, a warning)."""
+the quantisation step), a resume at another shard count (the last-sync weights, a warning), and a fit
+ending inside a period (every replica group on the same synced weights, the checkpoint's)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     configs: list[dict[str, Any]] = [
         {"name": "sharded_sgd", "strategy": "sharded", "model": "mlp", "options": HSDP},
         {"name": "h1_sgd", "model": "mlp", "options": plain},
-        {"name": "full", "epochs": 2, **RESUME},
-        {"name": "first", "epochs": 1, "save": ckpt, **RESUME},
+        # the checkpoint of the end of epoch 1, mid-period, written inside the 2-epoch fit ("first")
+        {"name": "full", "epochs": 2, "save": ckpt, "save_at_epoch": 0, "snapshot_as": "first", **RESUME},
+        {"name": "tail", "epochs": 1, "checkpoint": {"save_top_k": 0}, **RESUME},
         {"name": "resumed", "epochs": 2, "resume": ckpt, **RESUME},
         {"name": "reshard", "epochs": 2, "resume": ckpt, **RESUME, "options": {**H4, "replicas": 4}},
         {"name": "none_one_sync", **one_sync, "options": H4},
@@ -133,8 +135,8 @@ def test_resume_at_another_shard_count_starts_from_the_last_sync(runs: Path) -> 
         "replicas=2" in w and "outer momentum" in w and "inner optimizer state" in w for w in warned
     ), warned
     got = info(runs, "reshard")
-    # resumed at step 6 with inner step 0: syncs at 10 (the saved count, 1, plus one); 2 steps since
-    assert (got["global_step"], got["syncs"], got["inner_step"]) == (12, 2, 2) and math.isfinite(
+    # resumed at step 6 with inner step 0: syncs at 10 (the saved count, 1, plus one) and at 12 (the tail)
+    assert (got["global_step"], got["syncs"], got["inner_step"]) == (12, 3, 0) and math.isfinite(
         got["train_loss"]
     )
     last_sync = weights(runs, "first", 0, "anchors")
@@ -169,3 +171,28 @@ def test_int8_pseudo_gradients_within_the_quantisation_bound(runs: Path) -> None
         assert info(runs, "int8_one_sync", rank)["sync_bytes"] == Int8Quantization().wire_bytes([(n,)], 2)
     # this MLP's 802-element shard pads to one 1024-element int8 block: 1032 bytes against 3208
     assert info(runs, "int8_one_sync")["sync_bytes"] < 0.33 * info(runs, "none_one_sync")["sync_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * FIXTURE_BUDGET)
+def test_a_fit_ending_inside_a_period_ends_every_replica_group_on_the_saved_weights(
+    runs: Path, tmp_path: Path
+) -> None:
+    """One epoch of 6 steps with H=4: the 2 steps after the sync at 4 are synced at the end of fit, so
+    both replica groups (all 4 ranks) end on the same weights, bitwise, which are the last-sync ones;
+    the last.ckpt ModelCheckpoint wrote at on_train_end holds them (its model entry: the last-sync
+    weights)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    first = weights(runs, "tail", 0)
+    assert max_abs_diff(first, weights(runs, "tail", 0, "initial")) > 1e-3, "it trained"
+    for rank in RANKS:
+        got = info(runs, "tail", rank)
+        assert (got["global_step"], got["syncs"], got["inner_step"]) == (6, 2, 0)
+        assert_same_weights(weights(runs, "tail", rank), first, atol=0)
+        assert_same_weights(weights(runs, "tail", rank, "anchors"), first, atol=0)
+    assert sorted(p.name for p in (runs / "tail").iterdir()) == ["last.ckpt"]
+    dcp_to_torch_save(runs / "tail" / "last.ckpt", tmp_path / "last.pt")
+    saved = torch.load(tmp_path / "last.pt", weights_only=False)
+    model = saved.get("state_dict", saved)
+    assert_same_weights({k: model[k] for k in first}, first, atol=0)

@@ -12,11 +12,17 @@ with it, and every rank continues from the result; floating-point buffers (Batch
 averaged too. Only the syncs send parameter-sized data: 1/``inner_steps`` of a ring all-reduce per
 optimizer step (DiLoCo, Douillard et al. 2023, arXiv:2311.08105).
 
+When ``fit`` ends inside a period (``max_steps`` or the epochs' optimizer steps not a multiple of
+``inner_steps``, or a ``trainer.should_stop``), one more sync over the steps since the last one (the
+same outer step) ends every rank on the same weights, before the last validation and checkpoints
+(``diloco_tail``); the next ``fit`` from there counts a new period.
+
 Between syncs every rank's weights and inner optimizer state differ. A checkpoint therefore holds every
 rank's model and inner optimizer state besides Lightning's rank-0 copy, plus the last-sync parameters,
-the outer momentum and the inner-step counter (``CHECKPOINT_KEY``); a resumed run loads its own rank's
-and continues exactly. One from another world size (or without that entry) starts every rank from the
-last-sync parameters (or rank 0's weights) with rank 0's inner optimizer state, with a warning.
+the outer momentum and the inner-step counter (``CHECKPOINT_KEY``); a run resumed from a checkpoint
+saved inside ``fit`` (``ModelCheckpoint``) loads its own rank's and continues exactly. One from
+another world size (or without that entry) starts every rank from the last-sync parameters (or rank
+0's weights) with rank 0's inner optimizer state, with a warning.
 Checkpoints must be saved on every rank (``trainer.save_checkpoint``, as ``ModelCheckpoint`` does).
 Validation inside ``fit`` sees each rank's current weights (the local ones between syncs; make
 ``val_check_interval`` a multiple of ``inner_steps`` to evaluate the synced model).
@@ -43,6 +49,7 @@ from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_outer import OuterSGD
+from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.options import (
     DILOCO_COMPRESSIONS,
     DiLoCoOptions,
@@ -203,9 +210,9 @@ def inner_parameters(owner: str, module: nn.Module, optimizers: Sequence[Any]) -
 
 class DiLoCoLoop(CollectiveOpsMixin):
     """DiLoCo's schedule, shared by ``DiLoCo`` and ``ShardedDiLoCo``: the counters, a sync every
-    ``inner_steps`` optimizer steps, and the sync itself (pseudo-gradients averaged over
-    ``pseudo_gradient_comm()``, the outer step, buffers averaged over all ranks). Put it before the
-    strategy's base; the strategy sets ``outer`` and ``compressor``."""
+    ``inner_steps`` optimizer steps and at the end of ``fit`` (``diloco_tail``), and the sync itself
+    (pseudo-gradients averaged over ``pseudo_gradient_comm()``, the outer step, buffers averaged over
+    all ranks). Put it before the strategy's base; the strategy sets ``outer`` and ``compressor``."""
 
     outer: Optional[OuterSGD]
     compressor: Compressor
@@ -233,14 +240,31 @@ class DiLoCoLoop(CollectiveOpsMixin):
         return self._transport()
 
     @override
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            install_tail_sync(trainer, self)
+
+    @override
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
     ) -> Any:
+        """The inner step; the sync after every ``inner_steps``-th, and after the last one of ``fit``
+        (``diloco_tail``)."""
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.inner_step += 1
-        if self.inner_step >= self.inner_steps:
+        module = self.lightning_module
+        trainer = None if module is None else module._trainer
+        if self.inner_step >= self.inner_steps or (
+            trainer is not None and ends_fit(trainer, trainer.global_step + 1)
+        ):
             self.sync()
         return result
+
+    def sync_tail(self) -> None:
+        """Sync the inner steps since the last sync, if any: the end of ``fit`` (``diloco_tail``)."""
+        if self.outer is not None and self.inner_step > 0:
+            self.sync()
 
     def sync(self) -> None:
         """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""

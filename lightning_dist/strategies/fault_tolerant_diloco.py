@@ -5,7 +5,8 @@
 
 ``FaultTolerant``'s engine (torchft's Lighthouse, Manager, reconfigurable process group and live
 checkpoint transport; the pack's commits and exactly-once data position) driving ``DiLoCo``'s outer
-loop (``OuterSGD``, ``average_pseudo_gradients``). A *period* is ``inner_steps`` optimizer steps.
+loop (``OuterSGD``, ``average_pseudo_gradients``). A *period* is ``inner_steps`` optimizer steps (the
+last one of a ``fit`` that ends inside a period is its steps so far: ``diloco_tail``).
 
 - **Inner steps.** Each inner step's global batch is ``M`` micro-batch slots of the pack's data
   position, split among the period's groups as ``FaultTolerant`` splits a step (slot j to participant
@@ -36,9 +37,10 @@ loop (``OuterSGD``, ``average_pseudo_gradients``). A *period* is ``inner_steps``
 
 Timeouts: a rejoining group waits in the Lighthouse for the others' next quorum, at their sync, and
 the others wait in the sync's all-reduce while it redoes its share: ``quorum_timeout_s`` and
-``timeout_s`` must exceed the time of one period. Make ``max_steps`` a multiple of ``inner_steps``
-(the steps after the last sync are not synced). The training DataLoader is read as ``FaultTolerant``
-reads it (map-style, with ``batch_size``).
+``timeout_s`` must exceed the time of one period. A ``fit`` that ends inside a period (``max_steps``
+not a multiple of ``inner_steps``) syncs the steps so far (``diloco_tail``), so every group ends on
+the same weights and the last commit holds them. The training DataLoader is read as
+``FaultTolerant`` reads it (map-style, with ``batch_size``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-import warnings
 from typing import Any, Optional
 
 import lightning as L
@@ -65,6 +66,7 @@ from lightning_dist.strategies.diloco import (
     inner_parameters,
 )
 from lightning_dist.strategies.diloco_outer import OuterSGD
+from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.fault_tolerant import (
     FaultTolerant,
     StepRecord,
@@ -133,6 +135,9 @@ class FaultTolerantDiLoCo(FaultTolerant):
         self.outer: Optional[OuterSGD] = None
         self.inner_step = 0
         """Inner steps of the current period done."""
+        self._period_start: Optional[int] = None
+        """The inner step the current period started at (its global batch's index); None: syncs x
+        inner_steps (every period so far had inner_steps steps: only the tail of a fit is shorter)."""
         self.failed_syncs = 0
         """Syncs this group ran that did not commit (a group of the period failed)."""
         self.periods_run_again = 0
@@ -173,13 +178,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
         if trainer.state.fn != "fit":
             return
         self._outer()
-        if trainer.max_steps > 0 and trainer.max_steps % self.diloco.inner_steps:
-            warnings.warn(
-                f"{OWNER}: max_steps={trainer.max_steps} is not a multiple of inner_steps="
-                f"{self.diloco.inner_steps}: the inner steps after the last sync are not synced, and the "
-                "groups end on different weights",
-                stacklevel=2,
-            )
+        install_tail_sync(trainer, self)
 
     def _outer(self) -> OuterSGD:
         if self.outer is None:
@@ -197,8 +196,10 @@ class FaultTolerantDiLoCo(FaultTolerant):
 
     @override
     def data_step(self) -> int:
-        """The inner step whose global batch is trained next (over the whole run)."""
-        return self.syncs * self.diloco.inner_steps + self.inner_step
+        """The inner step whose global batch is trained next (over the whole run): the period's start
+        (the inner steps of the committed syncs) plus its inner steps so far."""
+        start = self.syncs * self.diloco.inner_steps if self._period_start is None else self._period_start
+        return start + self.inner_step
 
     @override
     def _state_dict(self) -> dict[str, Any]:
@@ -214,7 +215,8 @@ class FaultTolerantDiLoCo(FaultTolerant):
         return self._state_dict()
 
     def _current_state(self) -> dict[str, Any]:
-        return _copy({**super()._state_dict(), "diloco": {"outer": self._outer().state_dict()}})
+        diloco = {"outer": self._outer().state_dict(), "period_start": self.data_step() - self.inner_step}
+        return _copy({**super()._state_dict(), "diloco": diloco})
 
     @override
     def _load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,6 +224,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
         self._snapshot = _copy(state)  # the optimizers may keep ``state``'s tensors and step them in place
         super()._load_state_dict(state)
         self._outer().load_state_dict(state["diloco"]["outer"])
+        self._period_start = state["diloco"].get("period_start")
         self.inner_step = 0
         self._period = None
         self._pending = []
@@ -268,9 +271,19 @@ class FaultTolerantDiLoCo(FaultTolerant):
             optimizer.zero_grad(set_to_none=True)
         self._pending.append(StepRecord(self.data_step(), list(self._step_indices), self._participants))
         self.inner_step += 1
-        if self.inner_step >= self.diloco.inner_steps:
+        if self.inner_step >= self.diloco.inner_steps or ends_fit(self._fit_trainer(), self.data_step()):
             self.sync()
         return result
+
+    def sync_tail(self) -> None:
+        """Sync the period's inner steps so far, if any: the end of ``fit`` (``diloco_tail``); the
+        state as of that sync is what the last commit holds."""
+        if self.transport is None or self.outer is None or self._period is None or self.inner_step == 0:
+            return
+        self.sync()
+        if self._synced:
+            self._snapshot = self._current_state()
+            self._synced = False
 
     def _scale_gradients(self, factor: float) -> None:
         assert self.lightning_module is not None
@@ -284,6 +297,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
         commits. A sync that does not commit runs again with the period's groups once they are back,
         else the period runs again (module docstring)."""
         failed = self.failed_syncs
+        end = self.data_step()
         while True:
             result = self._exchange()
             if result is not None:
@@ -306,6 +320,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
             mine.copy_(synced)
         self.committed += self._pending
         self._pending = []
+        self._period_start = end
         self.inner_step = 0
         self._period = None
         self._synced = True

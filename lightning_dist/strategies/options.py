@@ -165,9 +165,7 @@ class DiLoCoOptions:
     def __post_init__(self) -> None:
         check_int("inner_steps", self.inner_steps, 1)
         check_positive("outer_lr", self.outer_lr)
-        check_number("outer_momentum", self.outer_momentum, 0, 1)
-        if self.outer_momentum == 1:
-            raise ValueError(f"outer_momentum={self.outer_momentum!r} must be in [0, 1)")
+        check_number("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
         check_bool("nesterov", self.nesterov)
         check_bool("sync_buffers", self.sync_buffers)
 

@@ -13,7 +13,9 @@ shard in the other replica groups (``replica_comm``; optionally "fp16", "bf16" o
 counted in the strategy's ``CommStats``); an outer SGD (Nesterov momentum, ``diloco_outer.OuterSGD``)
 steps the last-sync shard with it, and every replica group continues from the result. Only the syncs
 cross replica groups: 1/``inner_steps`` of a ring all-reduce of one shard per optimizer step.
-Floating-point buffers are averaged over all ranks at each sync (``sync_buffers``).
+Floating-point buffers are averaged over all ranks at each sync (``sync_buffers``). A ``fit`` that
+ends inside a period syncs the steps since the last sync, so every replica group ends on the same
+weights (``diloco_tail``).
 
 Checkpoints (the distributed checkpoint ``Sharded`` writes): the model entry holds the last-sync
 weights (the same in every replica group, so resharding them is exact), the optimizer entry the inner
@@ -27,6 +29,7 @@ last sync and each replica group's own inner optimizer state dropped (a warning 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Optional, Union
 
@@ -160,7 +163,10 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         ):
             raise ValueError(f"replicas={replicas!r} is not supported; accepted: 'auto' or an integer >= 1")
         self.compressor = build_diloco_compressor(compression)
-        super().__init__(shard_compression, replicas=1 if replicas == "auto" else replicas, **sharded)
+        try:
+            super().__init__(shard_compression, replicas=1 if replicas == "auto" else replicas, **sharded)
+        except ValueError as error:  # Sharded's compression is ShardedDiLoCo's shard_compression
+            raise ValueError(re.sub(r"\bcompression=", "shard_compression=", str(error))) from None
         self._auto_replicas = replicas == "auto"
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._names: dict[int, str] = {}

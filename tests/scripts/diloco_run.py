@@ -6,11 +6,16 @@ JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("DDP" or "
 (its keyword arguments), ``optimizer`` ("adamw", "sgd" = plain SGD), ``lr``, ``steps`` or ``epochs``,
 ``batches_per_epoch``, ``accumulate``, ``precision``, ``buffer`` (add a float buffer each rank
 updates from its own batches), ``save`` (a checkpoint path, written after
-fitting), ``resume`` (fit from this checkpoint), ``record_batches`` (save the batches this rank
-trained on), ``drop_diloco_state`` (remove DiLoCo's entry from the checkpoint before resuming),
-``validate``. ``--devices N``: ranks (default 2).
+fitting, or with ``save_at_epoch`` at the end of that epoch inside ``fit``, with the strategy's
+``checkpoint_entry()`` beside it), ``resume`` (fit from this checkpoint), ``record_batches`` (save the
+batches this rank trained on), ``drop_diloco_state`` (remove DiLoCo's entry from the checkpoint before
+resuming), ``validate``, ``checkpoint`` (a ``ModelCheckpoint(save_last=True, **checkpoint)`` writing to
+``<out>/<name>/``), ``stop_at`` (a callback sets ``trainer.should_stop`` after that optimizer step),
+``record_tail`` (save what a sync of fewer than ``inner_steps`` steps starts from).
+``--devices N``: ranks (default 2).
 Each rank writes ``<name>.rank<r>.pt`` (final weights), ``<name>.rank<r>.json`` (facts: steps, the
-strategy's sync counters, the collectives counters) and, when asked, ``<name>.rank<r>.batches.pt``.
+strategy's sync counters, the collectives counters) and, when asked, ``<name>.rank<r>.batches.pt`` and
+``<name>.rank<r>.tail.pt`` (this rank's weights and the outer state before the tail sync).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from rank_io import RecordBatches, save_fitted
 from run_options import fit_each_run, resume_path, trainer_length
 
@@ -50,6 +56,46 @@ class Model(TinyCausalLM):
         return torch.optim.AdamW(self.parameters(), lr=self.config.lr, weight_decay=0.01)
 
 
+class Recorded(lightning_dist.DiLoCo):
+    """DiLoCo keeping what a tail sync (fewer than ``inner_steps`` steps: the end of fit) starts from:
+    this rank's weights, the outer state (last-sync weights, momentum) and the steps since the sync."""
+
+    before_tail: dict[str, Any] | None = None
+
+    def sync(self) -> None:
+        outer = self.outer
+        if outer is not None and self.inner_step < self.inner_steps:
+            params = {n: p.detach().clone() for n, p in zip(outer.names, outer.params, strict=True)}
+            self.before_tail = {"params": params, "outer": outer.state_dict(), "inner_step": self.inner_step}
+        super().sync()
+
+
+class SaveAtEpochEnd(L.Callback):
+    """Writes ``path`` (and the strategy's ``checkpoint_entry()`` beside it, from rank 0) at the end of
+    epoch ``epoch``, inside fit (on every rank: DiLoCo gathers every rank's state)."""
+
+    def __init__(self, path: str, epoch: int) -> None:
+        self.path, self.epoch = path, epoch
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            trainer.save_checkpoint(self.path)
+            entry = trainer.strategy.checkpoint_entry()  # type: ignore[attr-defined]
+            if trainer.is_global_zero:
+                torch.save(entry, f"{self.path}.entry")
+
+
+class StopAt(L.Callback):
+    """Sets ``trainer.should_stop`` after optimizer step ``step`` (as EarlyStopping or Timer would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 def fit(run: dict[str, Any], out: str, devices: int) -> None:
     L.seed_everything(7, verbose=False)
     model = Model(
@@ -58,10 +104,16 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         config=WorkloadConfig.tiny(seed=7, batch_size=run.get("batch_size", 8), lr=run.get("lr", 3e-3)),
     )
     options = run.get("options", {})
-    strategy = (
-        lightning_dist.DDP(**options) if run.get("strategy") == "DDP" else lightning_dist.DiLoCo(**options)
-    )
+    strategy = lightning_dist.DDP(**options) if run.get("strategy") == "DDP" else Recorded(**options)
     recorder = RecordBatches()
+    callbacks: list[L.Callback] = [recorder]
+    if "stop_at" in run:
+        callbacks.append(StopAt(run["stop_at"]))
+    if "save_at_epoch" in run:
+        callbacks.append(SaveAtEpochEnd(run["save"], run["save_at_epoch"]))
+    if "checkpoint" in run:
+        dirpath = os.path.join(out, run["name"])
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, save_last=True, **run["checkpoint"]))
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=devices,
@@ -71,12 +123,13 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         val_check_interval=None,
         check_val_every_n_epoch=None,
         deterministic=True,
-        callbacks=[recorder],
+        callbacks=callbacks,
+        enable_checkpointing="checkpoint" in run,
     )
     ckpt = resume_path(run, "drop_diloco_state", CHECKPOINT_KEY, trainer.global_rank)
     trainer.fit(model, ckpt_path=ckpt)
     snapshot = trainer.strategy.communicator.stats.snapshot()  # made at setup: counts from zero
-    if run.get("save"):
+    if run.get("save") and "save_at_epoch" not in run:
         trainer.save_checkpoint(run["save"])
         entry = trainer.strategy.checkpoint_entry()  # from the module and optimizer (a commit writer's way)
         if trainer.is_global_zero:
@@ -95,6 +148,8 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         metrics = trainer.validate(model, verbose=False)[0]
         info["val_loss"] = float(metrics["val_loss"])
         info["val_acc"] = float(metrics["val_acc"])
+    if run.get("record_tail") and isinstance(s, Recorded):
+        torch.save(s.before_tail, os.path.join(out, f"{run['name']}.rank{trainer.global_rank}.tail.pt"))
     if run.get("record_batches"):
         torch.save(recorder.batches, os.path.join(out, f"{run['name']}.rank{trainer.global_rank}.batches.pt"))
     save_fitted(out, trainer, model, prefix=f"{run['name']}.", **info)
