@@ -1,4 +1,4 @@
-"""Two torch warnings that ``Sharded``'s users cannot act on, silenced while ``Sharded`` trains.
+"""Two torch warnings that ``Sharded``'s users cannot act on, silenced during each Trainer run.
 
 - ``"Slicing a flattened dim from root mesh will be deprecated"``: ``Sharded``'s
   ``device_mesh["data_parallel"]`` is its two dimensions flattened (``ModelParallelStrategy``'s is a
