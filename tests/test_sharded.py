@@ -24,6 +24,7 @@ from helpers import SCRIPTS, run_script
 from torch import nn
 from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_dist.collectives import Communicator
@@ -319,6 +320,33 @@ def test_tied_model_sharded_by_the_default_policy_has_the_unsharded_gradients(
     for name, grad in got.items():
         assert isinstance(grad, DTensor)
         assert torch.equal(grad.full_tensor(), expected[name]), name
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "flat"])
+def test_a_users_units_that_split_a_tied_parameter_are_refused_before_training(
+    one_rank_group: Any, layout: str
+) -> None:
+    """configure_model fully_shard-s the embedding and the head apart: GPT-2's layout (one unit around
+    both: FSDP2 would refuse at the first forward) and top-level children (no unit around both: FSDP2
+    would train two copies); Sharded refuses both at setup, naming the parameter's two names."""
+    from lightning_dist import Sharded
+
+    model: nn.Module = _Holder(nested=True) if layout == "gpt2" else _Tied(nested=False)
+    embed = model.model.transformer["wte"] if layout == "gpt2" else model.embed
+    head = model.model.head if layout == "gpt2" else model.head
+    fully_shard(embed, mesh=one_rank_group)
+    fully_shard(head, mesh=one_rank_group)
+    if layout == "gpt2":
+        fully_shard(model, mesh=one_rank_group)
+    else:
+        for other in (model.pos, *model.blocks):
+            fully_shard(other, mesh=one_rank_group)
+    prefix = "model." if layout == "gpt2" else ""
+    with pytest.raises(ValueError, match="sharded into different FSDP units") as err:
+        Sharded()._shard(model)
+    wte = f"{prefix}transformer.wte.weight" if layout == "gpt2" else "embed.weight"
+    assert f"{wte} and {prefix}head.weight" in str(err.value)
+    assert "fully_shard([module_a, module_b]" in str(err.value)
 
 
 class _Mesh:

@@ -64,7 +64,12 @@ from lightning_dist.strategies.options import (
 )
 from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
 from lightning_dist.strategies.sharded_mesh import MESH_DIMS, ShardedMesh, mesh_refusal
-from lightning_dist.strategies.sharding_policy import fsdp_modules, shard_by_layer, unsharded_parameters
+from lightning_dist.strategies.sharding_policy import (
+    fsdp_modules,
+    shard_by_layer,
+    split_ties,
+    unsharded_parameters,
+)
 from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -260,6 +265,15 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 f"{', '.join(left[:8])}{' ...' if len(left) > 8 else ''}; fully_shard the modules holding "
                 "them (mesh=self.device_mesh['shard']) in configure_model, or leave configure_model "
                 "without fully_shard calls for the default per-layer policy"
+            )
+        split = split_ties(model)
+        if split:
+            raise ValueError(
+                "Sharded: modules sharing a parameter are sharded into different FSDP units, which would "
+                f"train them apart: {'; '.join(' and '.join(names) for names in split)}; fully_shard them "
+                "together (fully_shard([module_a, module_b], mesh=self.device_mesh['shard'])) or shard a "
+                "module holding all of them, or leave configure_model without fully_shard calls: the "
+                "default policy does"
             )
         # units without parameters of their own (a stack whose blocks are units) communicate nothing
         modules = [m for m in modules if m._get_fsdp_state()._fsdp_param_groups]

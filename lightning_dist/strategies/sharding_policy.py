@@ -112,6 +112,25 @@ def shard_by_layer(root: nn.Module, mesh: Any) -> list[FSDPModule]:
     return fsdp_modules(root)
 
 
+def split_ties(root: nn.Module) -> list[list[str]]:
+    """The parameters under ``root`` that FSDP2 manages in more than one unit, each as the names it has
+    there: modules that shared one ``nn.Parameter`` and were ``fully_shard``-ed apart (FSDP2 refuses
+    that at the first forward only when one root unit holds both units, and otherwise trains two
+    independent copies)."""
+    names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+    units: dict[int, dict[int, list[str]]] = {}  # parameter uid -> unit (FSDP state) -> names
+    for module in fsdp_modules(root):
+        state = module._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                name = ".".join(n for n in (names.get(id(info.module), "?"), info.param_name) if n)
+                units.setdefault(fsdp_param._orig_param_uid, {}).setdefault(id(state), []).append(name)
+    return [
+        [n for names in by_unit.values() for n in names] for by_unit in units.values() if len(by_unit) > 1
+    ]
+
+
 def unsharded_parameters(module: nn.Module) -> list[str]:
     """Names of trainable parameters no FSDP unit manages (plain tensors, not DTensors): their
     gradients would not be synchronised."""
