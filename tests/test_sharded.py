@@ -1,14 +1,17 @@
-"""Sharded (FSDP2 with the pack's communication): options, the int8 reduce-scatter's maths, then two
-launches shared by the trainer-level tests: 2 CPU processes over Gloo (parity with Lightning's
-ModelParallelStrategy and DDP, compressed reduce-scatters against uncompressed, stop and resume) and
-4 (HSDP 2x2 against a written-out one-step reference, resume, resume at another shard count),
-launched at once.
+"""Sharded (FSDP2 with the pack's communication): options, the int8 reduce-scatter's maths, the
+default policy's units and the meshes a module may be sharded over, then two launches shared by the
+trainer-level tests: 2 CPU processes over Gloo (parity with Lightning's ModelParallelStrategy and DDP,
+a module sharded as Lightning's docs show, tied embeddings, compressed reduce-scatters against
+uncompressed, stop and resume, torch's warnings) and 4 (HSDP 2x2 against a written-out one-step
+reference, resume, resume at another shard count), launched at once.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -16,15 +19,21 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import SCRIPTS, run_script
 from torch import nn
 from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_dist.collectives import Communicator
 from lightning_dist.compression import Exchange, make_compressor, simulate
 from lightning_dist.compression.int8 import QMAX
 from lightning_dist.compression.reduce_scatter import int8_reduce_scatter, int8_reduce_scatter_bytes
 from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
+from lightning_dist.strategies.sharded_mesh import mesh_refusal
+from lightning_dist.strategies.sharding_policy import plan_units, shard_by_layer
 from lightning_dist.testing import run_in_threads
 
 SCRIPT = str(SCRIPTS / "sharded_run.py")
@@ -225,6 +234,193 @@ def test_replica_sync_averages_the_shard_over_replicas(sync: str) -> None:
     torch.testing.assert_close(results[0], expected, rtol=0, atol=atol)
 
 
+# -- the default policy's units, the meshes accepted (no processes) ----------------------------------
+class _Tied(nn.Module):
+    """A language model's layout with its head tied to its input embedding; ``nested`` puts the
+    embedding inside a ``transformer`` as GPT-2 does (``transformer.wte``, ``lm_head``)."""
+
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        embed, pos = nn.Embedding(16, 8), nn.Embedding(6, 8)
+        blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        if nested:
+            self.transformer = nn.ModuleDict({"wte": embed, "wpe": pos, "h": blocks})
+        else:
+            self.embed, self.pos, self.blocks = embed, pos, blocks
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = embed.weight
+
+    def parts(self) -> tuple[nn.Module, nn.Module, nn.ModuleList]:
+        if hasattr(self, "transformer"):
+            t = self.transformer
+            return t["wte"], t["wpe"], t["h"]  # type: ignore[return-value]
+        return self.embed, self.pos, self.blocks
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        embed, pos, blocks = self.parts()
+        h = embed(tokens) + pos(torch.arange(tokens.shape[1]))
+        for block in blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+class _Holder(nn.Module):
+    """A LightningModule's shape: the model as its one child, no parameter of its own."""
+
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.model = _Tied(nested)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+
+def test_default_policy_shards_tied_parameters_in_one_unit() -> None:
+    """GPT-2's layout inside a LightningModule: the embedding and the head go to the model that
+    holds both (the transformer, which holds the embedding but not the head, is no unit); tied
+    children of a root without parameters of its own: the root; untied, every block its own unit."""
+    gpt2 = _Holder(nested=True)
+    t = gpt2.model.transformer
+    assert plan_units(gpt2) == [t["wpe"], t["h"][0], t["h"][1], gpt2.model]
+    flat = _Tied(nested=False)
+    assert plan_units(flat) == [flat.pos, flat.blocks[0], flat.blocks[1], flat]
+    untied = _Tied(nested=False)
+    untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())
+    assert plan_units(untied) == [untied.embed, untied.pos, untied.blocks[0], untied.blocks[1], untied.head]
+
+
+@pytest.fixture
+def one_rank_group() -> Any:
+    """A one-rank Gloo group in this process (a HashStore: no port), destroyed afterwards."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module .* returned a view tensor")  # nn.Linear on 3-D
+@pytest.mark.parametrize("layout", ["gpt2", "flat"])
+def test_tied_model_sharded_by_the_default_policy_has_the_unsharded_gradients(
+    one_rank_group: Any, layout: str
+) -> None:
+    """fully_shard over one rank: the sharded model's forward and backward run (FSDP2 refuses a
+    parameter in two units at the first forward) and its gradients are the plain model's, bitwise."""
+    model: nn.Module = _Holder(nested=True) if layout == "gpt2" else _Tied(nested=False)
+    reference = copy.deepcopy(model)
+    shard_by_layer(model, one_rank_group)
+    tokens = torch.randint(0, 16, (3, 6), generator=torch.Generator().manual_seed(1))
+    model(tokens).square().mean().backward()
+    reference(tokens).square().mean().backward()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    assert got.keys() == expected.keys()
+    for name, grad in got.items():
+        assert isinstance(grad, DTensor)
+        assert torch.equal(grad.full_tensor(), expected[name]), name
+
+
+@pytest.mark.parametrize("layout", ["gpt2", "flat"])
+def test_a_users_units_that_split_a_tied_parameter_are_refused_before_training(
+    one_rank_group: Any, layout: str
+) -> None:
+    """configure_model fully_shard-s the embedding and the head apart: GPT-2's layout (one unit around
+    both: FSDP2 would refuse at the first forward) and top-level children (no unit around both: FSDP2
+    would train two copies); Sharded refuses both at setup, naming the parameter's two names."""
+    from lightning_dist import Sharded
+
+    model: nn.Module = _Holder(nested=True) if layout == "gpt2" else _Tied(nested=False)
+    embed = model.model.transformer["wte"] if layout == "gpt2" else model.embed
+    head = model.model.head if layout == "gpt2" else model.head
+    fully_shard(embed, mesh=one_rank_group)
+    fully_shard(head, mesh=one_rank_group)
+    if layout == "gpt2":
+        fully_shard(model, mesh=one_rank_group)
+    else:
+        for other in (model.pos, *model.blocks):
+            fully_shard(other, mesh=one_rank_group)
+    prefix = "model." if layout == "gpt2" else ""
+    with pytest.raises(ValueError, match="sharded into different FSDP units") as err:
+        Sharded()._shard(model)
+    wte = f"{prefix}transformer.wte.weight" if layout == "gpt2" else "embed.weight"
+    assert f"{wte} and {prefix}head.weight" in str(err.value)
+    assert "fully_shard([module_a, module_b]" in str(err.value)
+
+
+class _Mesh:
+    """What ``mesh_refusal`` reads of a DeviceMesh: this rank's mesh of global ranks."""
+
+    def __init__(self, ranks: list[Any], name: str) -> None:
+        self.mesh = torch.tensor(ranks)
+        self.ndim = self.mesh.dim()
+        self.shape = tuple(self.mesh.shape)
+        self.name = name
+
+    def size(self) -> int:
+        return self.mesh.numel()
+
+    def __repr__(self) -> str:
+        return f"DeviceMesh({self.name})"
+
+
+def test_a_module_is_accepted_over_any_mesh_of_the_shard_groups_ranks() -> None:
+    """One replica group: device_mesh['shard'], ['data_parallel'] and the 2-D (1, 2) device_mesh
+    itself are the same two ranks; FSDP2 shards over them and all-reduces over a group of one."""
+    shard = _Mesh([0, 1], "shard")
+    for mesh in (shard, _Mesh([0, 1], "data_parallel"), _Mesh([[0, 1]], "replicate=1, shard=2")):
+        assert mesh_refusal(mesh, shard, 1, "FSDPLinear") is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "names"),
+    [
+        (
+            [0, 1, 2, 3],
+            [
+                "every one of the 4 ranks",
+                "Sharded(replicas=2)",
+                "mesh=self.device_mesh['shard']",
+                "Sharded()",
+            ],
+        ),
+        ([[0, 1], [2, 3]], ["2-D mesh", "replica_sync", "mesh=self.device_mesh['shard']", "Sharded()"]),
+        ([0, 2], ["2-rank shard mesh", "mesh=self.device_mesh['shard']"]),
+    ],
+)
+def test_with_replica_groups_another_mesh_is_refused_with_the_reason(
+    ranks: list[Any], names: list[str]
+) -> None:
+    """4 ranks, replicas=2, rank 0 (shard group 0, 1): the data_parallel mesh (FSDP over every rank),
+    the 2-D mesh (FSDP2's own HSDP) and the replicate mesh are refused, naming the mesh to use."""
+    message = mesh_refusal(_Mesh(ranks, "m"), _Mesh([0, 1], "shard"), 2, "FSDPLinear")  # type: ignore[arg-type]
+    assert message is not None and message.startswith("Sharded: FSDPLinear is sharded over DeviceMesh(m)")
+    for name in names:
+        assert name in message
+
+
+def test_torch_notes_silence_only_torchs_two_warnings_and_only_until_restored() -> None:
+    """From torch.distributed only, and gone once restored (Sharded's teardown)."""
+    from lightning_dist.strategies import torch_notes
+
+    view = "FSDP2-wrapped module (FSDPLinear) returned a view tensor. An in-place op ..."
+    slicing = "Slicing a flattened dim from root mesh will be deprecated in PT 2.11."
+
+    def shown(module: str) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            added = torch_notes.quiet()
+            for text in (view, slicing, "another warning"):
+                warnings.warn_explicit(text, UserWarning, "f.py", 1, module=module)
+            torch_notes.restore(added)
+            warnings.warn_explicit(view, UserWarning, "f.py", 2, module=module)
+        return [str(w.message) for w in caught]
+
+    assert shown("torch.distributed.fsdp._fully_shard._fsdp_state") == ["another warning", view]
+    assert shown("my_module") == [view, slicing, "another warning", view]
+
+
 # -- 2 processes ---------------------------------------------------------------------------------------
 BUDGET = 240
 """Seconds for one launch (each about 60 s on 2 idle cores, 150 s with a load of 16 on them); the
@@ -248,6 +444,11 @@ def two_rank_runs(ckpt: Path) -> list[dict[str, Any]]:
         {"name": "fp16", "options": {"compression": "fp16"}},
         {"name": "int8", "options": {"compression": "int8"}},
         {"name": "replicas_only", "options": {"replicas": 2}},  # shard groups of 1: the replica hook alone
+        {"name": "model_parallel_docs", "strategy": "model_parallel", "model": "lm_docs"},
+        {"name": "docs", "model": "lm_docs"},
+        {"name": "tied", "model": "lm_tied"},
+        {"name": "tied_ddp", "strategy": "ddp", "model": "lm_tied"},
+        {"name": "tied_int8", "model": "lm_tied", "options": {"compression": "int8"}},
     ]
     for run in runs:
         run["steps"] = STEPS
@@ -344,6 +545,71 @@ def test_uncompressed_equals_model_parallel_strategy_and_ddp(two_ranks: Path) ->
     # backward but the root's (pos: 32 x 32 fp32, half of it sent per gather), which FSDP2 keeps
     root_gather = 32 * 32 * 4 // 2
     assert by_op["all_gather"] == 2 * by_op["reduce_scatter"] - STEPS * root_gather
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_a_module_sharded_as_lightnings_docs_show_ends_where_model_parallel_strategy_ends(
+    two_ranks: Path,
+) -> None:
+    """configure_model shards each layer and the model over the strategy's whole device_mesh: under
+    ModelParallelStrategy that is (data_parallel=2, tensor_parallel=1), FSDP2's HSDP of two replicas
+    of one shard; under Sharded (replicate=1, shard=2), two shards of one replica. Either way each
+    gradient is (g0 + g1) / 2 (an exact halving of one sum) and AdamW acts elementwise: bitwise."""
+    assert_equal(weights(two_ranks, "docs"), weights(two_ranks, "model_parallel_docs"))
+    assert info(two_ranks, "docs")["warnings"] == []
+
+
+TIED_DDP_ATOL = 1e-5
+"""Sharded() against DDP() on the tied model: the same sums of two ranks' gradients (measured:
+bitwise equal)."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_tied_embeddings_train_as_with_ddp(two_ranks: Path) -> None:
+    """The embedding and the head share one weight: the default policy shards them as one unit, and
+    Sharded() ends within TIED_DDP_ATOL of DDP(); the tie holds (one tensor under both names)."""
+    got, ddp = weights(two_ranks, "tied"), weights(two_ranks, "tied_ddp")
+    assert got.keys() == ddp.keys()
+    for k in ddp:
+        torch.testing.assert_close(got[k], ddp[k], rtol=0, atol=TIED_DDP_ATOL)
+    assert torch.equal(got["head.weight"], got["embed.weight"])
+    assert info(two_ranks, "tied")["fsdp_modules"] == 5  # 2 layers, norm, positions, the root (embed, head)
+
+
+TIED_INT8_BOUND = 5e-2
+"""Relative L2 distance of the tied model's int8 weights from the uncompressed run's after STEPS
+(measured 1.1e-2; a margin of about 4.5, as for BOUNDS)."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_int8_trains_the_tied_model_within_bounds_of_uncompressed(two_ranks: Path) -> None:
+    """Sharded("int8") on the tied model: its loss falls as the uncompressed run's does (measured:
+    5.64 to 3.74 in 20 steps, both), ends within LOSS_BOUND of it (measured 0.08%), and its weights
+    within TIED_INT8_BOUND of it."""
+    int8, none = info(two_ranks, "tied_int8"), info(two_ranks, "tied")
+    assert int8["train_loss"] < 0.8 * int8["first_loss"]
+    assert abs(int8["train_loss"] - none["train_loss"]) < LOSS_BOUND * none["train_loss"]
+    distance = relative_distance(weights(two_ranks, "tied_int8"), weights(two_ranks, "tied"))
+    assert 0 < distance < TIED_INT8_BOUND
+
+
+SHARDED_RUNS = ("user_policy", "none", "bf16", "int8", "replicas_only", "docs", "tied", "tied_int8")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * BUDGET)
+def test_torch_warnings_a_user_cannot_act_on_are_not_shown(two_ranks: Path) -> None:
+    """Neither torch's mesh-slicing deprecation nor FSDP2's view-output warning reaches a user of
+    Sharded, on any rank, plain module or not; the same module under ModelParallelStrategy gets
+    FSDP2's (nn.Linear on a 3-D input returns a view), so the record would show it."""
+    for name in SHARDED_RUNS:
+        for rank in (0, 1):
+            assert info(two_ranks, name, rank)["torch_warnings"] == [], (name, rank)
+    lightning = info(two_ranks, "model_parallel")["torch_warnings"]
+    assert any("returned a view tensor" in w for w in lightning)
 
 
 # bounds on the relative L2 distance of the final weights from the uncompressed run's, after STEPS

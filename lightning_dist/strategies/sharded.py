@@ -7,8 +7,9 @@
 
 Sharding is FSDP2's: the strategy builds a 2-D ``(replicate, shard)`` device mesh (``self.device_mesh``
 in ``configure_model``; ``"data_parallel"`` is both dimensions flattened, as in
-``ModelParallelStrategy``), and every module is ``fully_shard``-ed over ``device_mesh["shard"]`` only,
-by the user's ``configure_model`` or, where it shards nothing, by the default per-layer policy
+``ModelParallelStrategy``; ``sharded_mesh``), and every module is ``fully_shard``-ed over this rank's
+shard group only (``device_mesh["shard"]``, or with one replica group any mesh of the same ranks), by
+the user's ``configure_model`` or, where it shards nothing, by the default per-layer policy
 (``sharding_policy``). The pack fills FSDP2's two gradient extension points (``sharded_comm``): the
 reduce-scatter inside a shard group (fp32, bf16, fp16 or int8 with per-block scales) and, with
 ``replicas > 1``, the replica groups' sync of each shard gradient (any compressor of the pack, or
@@ -35,7 +36,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch import Tensor
 from torch.distributed.checkpoint import async_save
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
@@ -49,6 +50,7 @@ from lightning_dist.compat import (
     _optimizers_to_device,
 )
 from lightning_dist.compression import COMPRESSORS, Compressor, make_compressor
+from lightning_dist.strategies import torch_notes
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.names import register_class
@@ -61,7 +63,13 @@ from lightning_dist.strategies.options import (
     reject_unknown_options,
 )
 from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
-from lightning_dist.strategies.sharding_policy import fsdp_modules, shard_by_layer, unsharded_parameters
+from lightning_dist.strategies.sharded_mesh import MESH_DIMS, ShardedMesh, mesh_refusal
+from lightning_dist.strategies.sharding_policy import (
+    fsdp_modules,
+    shard_by_layer,
+    split_ties,
+    unsharded_parameters,
+)
 from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
@@ -69,7 +77,6 @@ logger = logging.getLogger(__name__)
 CHECKPOINT_KEY = "lightning_dist.sharded"
 """In the checkpoint's metadata: ``{"world_size": W, "replicas": R}``; in the distributed checkpoint,
 ``CHECKPOINT_KEY.rank<r>`` holds rank r's ``sharded_rank_state()``."""
-MESH_DIMS = ("replicate", "shard")
 
 
 class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
@@ -122,9 +129,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self.reduce_scatters: list[PackReduceScatter] = []
         """One per FSDP parameter group, in ``fsdp_modules`` order (they hold the int8 residuals)."""
         self.fsdp_modules: list[FSDPModule] = []
+        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
         self._checkpoint_group: Optional[Any] = None
         self._pending_save: Optional[Any] = None
-        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
+        self._data_parallel_mesh: Optional[DeviceMesh] = None
+        self._quiet: list[Any] = []
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
@@ -192,8 +201,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 f"{', '.join(str(r) for r in range(1, world + 1) if world % r == 0)}"
             )
         self._setup_distributed()  # Lightning's: accelerator, ranks, process group
+        self._quiet = torch_notes.quiet()  # until teardown
         if self._device_mesh is None:  # once: a later fit or validate keeps the groups its modules use
-            mesh = self._device_mesh = self._build_mesh()
+            meshes = ShardedMesh.build(self.root_device.type, self.options.replicas, self.shards)
+            mesh = self._device_mesh = meshes.root
+            self._data_parallel_mesh = meshes.data_parallel
             world_comm = Communicator(TorchBackend())
             self._set_communicator(world_comm)
             stats = world_comm.stats  # one set of counters for every group
@@ -205,13 +217,14 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
 
-    def _build_mesh(self) -> DeviceMesh:
-        """(replicate, shard), plus both flattened as ``"data_parallel"`` (the sampler's split)."""
-        mesh = init_device_mesh(
-            self.root_device.type, (self.options.replicas, self.shards), mesh_dim_names=MESH_DIMS
-        )
-        mesh[MESH_DIMS]._flatten("data_parallel")
-        return mesh
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Every rank its own data: the flattened ``data_parallel`` mesh, as ``ModelParallelStrategy``
+        (read from the mesh kept, not sliced from the root mesh)."""
+        mesh = self._data_parallel_mesh
+        assert mesh is not None, "Sharded: the data-parallel mesh exists once setup_environment ran"
+        return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     @override
     def teardown(self) -> None:
@@ -219,6 +232,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         for comm in (self._shard_comm, self._replica_comm):
             if comm is not None:
                 comm.close()
+        torch_notes.restore(self._quiet)
+        self._quiet = []
         super().teardown()
 
     # -- sharding and hooks ---------------------------------------------------------------------
@@ -251,6 +266,15 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
                 "them (mesh=self.device_mesh['shard']) in configure_model, or leave configure_model "
                 "without fully_shard calls for the default per-layer policy"
             )
+        split = split_ties(model)
+        if split:
+            raise ValueError(
+                "Sharded: modules sharing a parameter are sharded into different FSDP units, which would "
+                f"train them apart: {'; '.join(' and '.join(names) for names in split)}; fully_shard them "
+                "together (fully_shard([module_a, module_b], mesh=self.device_mesh['shard'])) or shard a "
+                "module holding all of them, or leave configure_model without fully_shard calls: the "
+                "default policy does"
+            )
         # units without parameters of their own (a stack whose blocks are units) communicate nothing
         modules = [m for m in modules if m._get_fsdp_state()._fsdp_param_groups]
         # a second setup of the same modules (validate after fit, fit again) keeps their residuals
@@ -267,14 +291,13 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         logger.debug("Sharded: %d FSDP modules, hooks installed", len(modules))
 
     def _check_mesh(self, module: FSDPModule) -> None:
+        """Refuse, before training, a module FSDP2 would not shard over this rank's shard group alone."""
         for group in module._get_fsdp_state()._fsdp_param_groups:
-            mesh = group.mesh_info.mesh
-            if mesh.ndim != 1 or mesh.size() != self.shards:
-                raise ValueError(
-                    f"Sharded: {type(module).__name__} is sharded over {mesh}; Sharded does the replica sync "
-                    f"itself, so shard every module over the {self.shards}-rank shard mesh: "
-                    "fully_shard(module, mesh=self.device_mesh['shard'])"
-                )
+            refusal = mesh_refusal(
+                group.mesh_info.mesh, self.device_mesh["shard"], self.options.replicas, type(module).__name__
+            )
+            if refusal is not None:
+                raise ValueError(refusal)
 
     def install_hooks(self, module: FSDPModule, index: int) -> None:
         """Fill FSDP2's extension points of ``module`` (the ``index``-th FSDP module): the pack's

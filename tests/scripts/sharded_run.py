@@ -5,14 +5,18 @@ python tests/scripts/sharded_run.py --out DIR --devices N --runs JSON
 JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("sharded", "model_parallel"
 = Lightning's ModelParallelStrategy, "ddp" = the pack's DDP), ``options`` (the strategy's keyword
 arguments), ``model`` ("lm": the workload, sharded by Sharded's default policy; "lm_user": the
-workload whose configure_model shards it over ``device_mesh["data_parallel"]``; "mlp": a small MLP
-of Linear layers, the default policy), ``optimizer`` ("adamw", "sgd"), ``lr``, ``steps`` or
+workload whose configure_model shards it over ``device_mesh["data_parallel"]``; "lm_docs": the
+workload whose configure_model shards each layer, then itself, over the whole ``device_mesh``, as
+Lightning's docs show for ModelParallelStrategy; "lm_tied": the workload with its head tied to its
+embedding and no parameter of its own, the default policy; "mlp": a small MLP of Linear layers,
+the default policy), ``optimizer`` ("adamw", "sgd"), ``lr``, ``steps`` or
 ``epochs`` with ``batches_per_epoch``, ``save`` (checkpoint written after fitting), ``save_in_fit``
 (checkpoint written by the last hook of ``fit``), ``resume``
 (fit from this checkpoint), ``record`` (keep every rank's batches and the initial weights).
 
 Rank 0 writes ``<name>.pt`` (the full final weights, gathered); every rank writes
-``<name>.rank<r>.json`` (bytes by op, loss, warnings) and with ``record`` ``<name>.rank<r>.batches.pt``.
+``<name>.rank<r>.json`` (bytes by op, loss, first and last batch's loss on that rank, the pack's
+warnings, torch's warnings that Sharded silences) and with ``record`` ``<name>.rank<r>.batches.pt``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from rank_io import RecordBatches
 from run_options import fit_each_run, trainer_length
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -37,6 +42,9 @@ from lightning_dist.strategies.sharding_policy import shard_by_layer
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
+TORCH_TEXTS = ("Slicing a flattened dim from root mesh", "returned a view tensor")
+"""torch's warnings that a plain module under Sharded should not show (its mesh deprecation, FSDP2's
+view outputs)."""
 MLP_SIZES = (12, 40, 24, 3)
 """The MLP's widths: its weights split unevenly over 4 shards (FSDP2 pads them)."""
 
@@ -61,6 +69,54 @@ class UserLM(LM):
         mesh = self.device_mesh
         assert mesh is not None
         shard_by_layer(self, mesh["data_parallel"])
+
+
+class DocsLM(LM):
+    """What Lightning's docs show for ModelParallelStrategy: each layer, then the model, sharded over
+    the strategy's device mesh (ModelParallelStrategy's (data_parallel, tensor_parallel) of (2, 1);
+    Sharded's (replicate, shard) of (1, 2))."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        assert mesh is not None
+        for layer in self.blocks.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+class TiedLM(LM):
+    """The workload with its output head's weight tied to its input embedding (as GPT-2's), the
+    positions an embedding of their own, so that the LightningModule holds no parameter itself: the
+    default policy makes it the unit of the embedding and the head (no other unit holds both)."""
+
+    def __init__(self, optimizer: str, **kwargs: Any) -> None:
+        super().__init__(optimizer, **kwargs)
+        cfg = self.config
+        del self.pos
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(cfg.seed + 1)
+            self.positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+            nn.init.normal_(self.embed.weight, std=0.1)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        h = self.embed(tokens) + self.positions(torch.arange(t, device=tokens.device))
+        mask: torch.Tensor = self.causal_mask  # type: ignore[assignment]
+        h = self.blocks(h, mask=mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+class BatchLosses(L.Callback):
+    """This rank's loss of the first and of the last batch."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *_: Any
+    ) -> None:
+        self.losses.append(float(outputs["loss"]))
 
 
 class MLP(L.LightningModule):
@@ -115,7 +171,8 @@ def make_model(run: dict[str, Any]) -> L.LightningModule:
     if kind == "mlp":
         return MLP(run.get("lr", 0.1), optimizer)
     config = WorkloadConfig.tiny(seed=7, lr=run.get("lr", 3e-3), n_layers=2)
-    return (UserLM if kind == "lm_user" else LM)(optimizer, config=config)
+    models = {"lm": LM, "lm_user": UserLM, "lm_docs": DocsLM, "lm_tied": TiedLM}
+    return models[kind](optimizer, config=config)
 
 
 def make_strategy(run: dict[str, Any], devices: int) -> Any:
@@ -140,8 +197,8 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
     start = time.perf_counter()
     L.seed_everything(7, verbose=False)
     model = make_model(run)
-    record = RecordBatches()
-    callbacks: list[L.Callback] = [record] if run.get("record") else []
+    record, losses = RecordBatches(), BatchLosses()
+    callbacks: list[L.Callback] = [losses, record] if run.get("record") else [losses]
     if run.get("save_in_fit"):
         callbacks.append(SaveAtTrainEnd(run["save_in_fit"]))
     trainer = quiet_trainer(
@@ -169,6 +226,11 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "bytes_sent": comm.stats.bytes_sent if comm is not None else None,
         "bytes_by_op": {op: s.bytes_sent for op, s in comm.stats.per_op.items()} if comm is not None else {},
         "warnings": [str(w.message) for w in caught if "Sharded" in str(w.message)],
+        "torch_warnings": sorted(
+            {str(w.message) for w in caught if any(t in str(w.message) for t in TORCH_TEXTS)}
+        ),
+        "first_loss": losses.losses[0] if losses.losses else None,
+        "last_loss": losses.losses[-1] if losses.losses else None,
         "fsdp_modules": len(getattr(trainer.strategy, "fsdp_modules", [])),
         "seconds": time.perf_counter() - start,
     }
