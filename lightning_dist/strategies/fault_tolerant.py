@@ -377,6 +377,7 @@ class FaultTolerant(SingleDeviceStrategy):
                 )
             check_lighthouse(lighthouse, f"${LIGHTHOUSE_ENV}", owner=OWNER)
         wait_for_lighthouse(lighthouse, self.options.timeout_s, owner=OWNER)
+        replica_id = self.options.replica_id  # a str (FaultTolerantOptions)
         self.transport = FaultTolerantTransport(
             self._state_dict,
             self._load_state_dict,
@@ -384,7 +385,7 @@ class FaultTolerant(SingleDeviceStrategy):
             min_replica_size=self.options.min_replica_size,
             device_type=self.root_device.type,
             lighthouse=lighthouse,
-            replica_id=self.options.replica_id or os.environ.get(REPLICA_GROUP_ENV),
+            replica_id=os.environ.get(REPLICA_GROUP_ENV) if replica_id is None else str(replica_id),
             timeout=timedelta(seconds=self.options.timeout_s),
             quorum_timeout=timedelta(seconds=self.options.quorum_timeout_s),
             quorum_retries=self.options.quorum_retries,
