@@ -49,6 +49,7 @@ __all__ = [
     "disable_distributed_sampler",
     "fit_batches_started",
     "last_batch_of_epoch",
+    "mark_last_batch",
     "restore_on_fit",
     "set_checkpoint_loader_state",
     "tested_range",
@@ -81,7 +82,7 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "Trainer._accelerator_connector.use_distributed_sampler",  # disable_distributed_sampler
     "Trainer._checkpoint_connector._loaded_checkpoint",  # restore_on_fit
     "Trainer.fit_loop.epoch_loop.batch_progress.current.ready",  # fit_batches_started (private classes)
-    "Trainer.fit_loop.epoch_loop.batch_progress.is_last_batch",  # last_batch_of_epoch
+    "Trainer.fit_loop.epoch_loop.batch_progress.is_last_batch",  # last_batch_of_epoch, mark_last_batch
     "Trainer.fit_loop._can_stop_early",  # can_stop_early
 )
 """Private attributes and methods of Lightning objects the strategies read or override, as paths from
@@ -190,6 +191,15 @@ def set_global_step(trainer: Trainer, step: int, logger_step: bool = False) -> N
     epoch_loop.manual_optimization.optim_step_progress.total.completed = step
     if logger_step:
         epoch_loop._batches_that_stepped = step
+
+
+def mark_last_batch(trainer: Trainer) -> None:
+    """Make the batch being trained the fit epoch's last, as Lightning marks the last batch of a
+    loader of known length: at its end the epoch-interval schedulers step and the epoch ends. A
+    strategy whose loader ends an epoch early (FaultTolerant: when the committed steps reach the
+    next data epoch) calls it during that batch. No public API: the flag is the fit loop's private
+    batch progress."""
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
 check_versions()  # once Lightning is loaded (here, or by the registration hook if it loaded first)

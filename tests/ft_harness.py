@@ -161,6 +161,37 @@ def steps(out: Path, groups: int = 2, ranks: int = 1) -> dict[int, list[int]]:
     return samples
 
 
+def check_hooks(out: Path, groups: int = 2, ranks: int = 1, exact: bool = False) -> None:
+    """Every attempt that ended its fit, of every process: its batch hooks fired once per
+    ``training_step``, with the batch that step trained (the script's ``Hooks`` checks each batch and
+    its outputs as it goes; ``hooks_*.json`` holds what they saw). ``exact`` (a run without failures):
+    the batches are exactly the samples of the process's committed steps."""
+    for group in range(groups):
+        for rank in range(ranks):
+            files = sorted(out.glob(f"hooks_{name(group, rank)}_*.json"))
+            assert files, f"no hooks_{name(group, rank)}_*.json in {out}"
+            for path in files:
+                seen = json.loads(path.read_text())
+                assert seen["started"] == seen["ended"] == seen["stepped"], (
+                    f"{path.name}: hooks without steps"
+                )
+            if exact:
+                trained = sorted(i for batch in seen["ended"] for i in batch)
+                committed = sorted(i for row in rows(out, group, rank) for i in row["indices"])
+                assert trained == committed, (
+                    f"{path.name}: the hooks saw other samples than the steps trained"
+                )
+
+
+NOISE = ("[INFO] [torchft::", "flight recorder", '"GET /checkpoint/')
+"""What torchft writes by default and the pack turns off unless asked (``fault_tolerant_logs``)."""
+
+
+def noisy_lines(out: Path) -> list[str]:
+    """The lines of the run's log that only a verbose run should have."""
+    return [line for line in (out / "log.txt").read_text().splitlines() if any(n in line for n in NOISE)]
+
+
 def weights(out: Path, group: int, rank: int = 0) -> dict[str, torch.Tensor]:
     return torch.load(out / f"final_{name(group, rank)}.pt", weights_only=True)
 

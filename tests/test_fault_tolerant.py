@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import ft_harness as ft
+import lightning as L
 import pytest
 import torch
 from helpers import child_env
@@ -231,6 +232,226 @@ def test_launcher_options_for_one_group_of_a_cluster() -> None:
         address_towards("http://")
 
 
+# -- fast: what a user meets (construction checks, the devices, the resume line, the hooks, the logs) --
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"lighthouse": 123}, TypeError, r"lighthouse=123; accepted: a str 'http://host:port'"),
+        (
+            {"lighthouse": "localhost:29510"},
+            ValueError,
+            r"lighthouse='localhost:29510'; accepted: 'http://host:port'",
+        ),
+        ({"lighthouse": "http://127.0.0.1"}, ValueError, "lighthouse='http://127.0.0.1'"),
+        ({"lighthouse": "ftp://127.0.0.1:21"}, ValueError, "lighthouse='ftp"),
+        ({"lighthouse": "http://127.0.0.1:29510/x"}, ValueError, "lighthouse="),
+        ({"replica_id": 7.5}, TypeError, r"replica_id=7.5; accepted: None, an int or a str"),
+        ({"replica_id": True}, TypeError, "replica_id=True"),
+        ({"replica_id": ""}, ValueError, "replica_id=''"),
+        ({"replica_id": "a:b"}, ValueError, "replica_id='a:b'.*without ':'"),
+        ({"replica_id": -1}, ValueError, "replica_id=-1"),
+        ({"host": ""}, ValueError, r"host=''; accepted"),
+        ({"host": 5}, TypeError, "host=5"),
+        ({"host": "http://10.0.0.1"}, ValueError, "host='http://10.0.0.1'"),
+        ({"verbose": "yes"}, ValueError, "verbose='yes' must be True or False"),
+    ],
+)
+def test_addresses_and_ids_are_checked_at_construction(kwargs: dict, error: type, match: str) -> None:
+    """Refused by ``FaultTolerant(...)`` itself, naming the argument and the accepted form (before:
+    TypeErrors from deep inside torchft at setup, or ``host=''`` silently replaced)."""
+    from lightning_dist import FaultTolerant, FaultTolerantDiLoCo
+
+    with pytest.raises(error, match=match):
+        FaultTolerant(**kwargs)
+    with pytest.raises(error, match=match):
+        FaultTolerantDiLoCo(inner_steps=2, **kwargs)
+
+
+def test_good_addresses_and_an_int_replica_id_are_taken() -> None:
+    from lightning_dist import FaultTolerant
+
+    strategy = FaultTolerant(lighthouse="https://head.example:29510/", replica_id=7, host="::1")
+    assert strategy.options.replica_id == "7"  # torchft takes a str (an int raised a TypeError in it)
+    assert FaultTolerant(replica_id="group0", host="node1").options.replica_id == "group0"
+
+
+def _fit_alone(
+    root: Path, lighthouse: Any, callbacks: Any = (), devices: Any = "auto", **kwargs: Any
+) -> tuple[Any, Any]:
+    """A one-group FaultTolerant fit in this process (``FaultTolerant(**kwargs)``; 2 steps of 4
+    micro-batches of 4, Adam, a per-step schedule, a commit every step), writing under ``root``;
+    returns (trainer, module)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dist import FaultTolerant
+    from lightning_dist.workload.trainer import quiet_trainer
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Linear(4, 1)
+            self.losses: list[tuple[list[int], torch.Tensor]] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y, index = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.losses.append((index.tolist(), loss.detach().clone()))
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True), torch.arange(64))
+    options = {"replica_groups": 1, "global_batch": 16, "commit_every": 1, **kwargs}
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=FaultTolerant(lighthouse=lighthouse, **options),
+        max_steps=2,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+    )
+    module = Module()
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    return trainer, module
+
+
+class _UserHooks(L.Callback):
+    """A user's callback reading the batch in ``on_train_batch_start`` and the outputs of its
+    ``training_step`` in ``on_train_batch_end`` (each batch's loss over the step's 4 micro-batches,
+    as Lightning's own accumulation of 4 gives it)."""
+
+    def __init__(self) -> None:
+        self.ended: list[list[int]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        x, y, index = batch
+        assert x.shape == (4, 4) and index.shape == (4,)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        trained, loss = pl_module.losses[-1]
+        assert trained == batch[2].tolist() and len(pl_module.losses) == len(self.ended) + 1
+        assert torch.equal(outputs["loss"], loss / 4)
+        self.ended.append(trained)
+
+
+def test_hooks_see_the_batches_this_group_trains_and_a_second_run_says_it_resumed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One group in this process: the batch hooks fire with each ``training_step`` on its real batch
+    and outputs (before: on ``Slot`` tokens), torchft logs nothing at INFO and no "NCCL flight
+    recorder" warning; the commits go under the Trainer's ``default_root_dir``; the same fit run
+    again resumes from them and says so, with the step, the commit and why it stops at once."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    with Lighthouse("127.0.0.1:0") as lighthouse:
+        hooks = _UserHooks()
+        trainer, module = _fit_alone(tmp_path, lighthouse.address, [hooks])
+        assert [i for i, _ in module.losses] == hooks.ended and len(hooks.ended) == 8  # 2 steps x 4
+        assert sorted(i for r in trainer.strategy.committed for i in r.indices) == sorted(
+            i for batch in hooks.ended for i in batch
+        )
+        torchft = [r for r in caplog.records if r.name.startswith("torchft")]
+        assert not [r for r in torchft if r.levelno < logging.WARNING], torchft[:3]
+        assert not [r for r in caplog.records if "flight recorder" in r.getMessage()]
+        assert (tmp_path / "ft_commits").is_dir()  # <default_root_dir>/ft_commits
+        caplog.clear()
+        again, module = _fit_alone(tmp_path, lighthouse.address)
+    assert again.strategy.resumed_from == 2 and module.losses == [] and again.global_step == 2
+    said = [r.getMessage() for r in caplog.records if "resumed from the commit" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("FaultTolerant: resumed from the commit of step 2 (")
+    assert str(tmp_path / "ft_commits") in said[0] and "max_steps=2) is reached" in said[0]
+
+
+def test_trainer_devices_other_than_the_groups_processes_are_refused(tmp_path: Path) -> None:
+    """``Trainer(devices=2)`` with one process per group is refused before training, naming
+    ``--nproc-per-group`` (before: it trained at world size 1 without a word); the group's own
+    process count is accepted."""
+    from lightning_dist import FaultTolerant
+
+    refused = r"Trainer\(devices=2\).*1 process.*--nproc-per-group 2"
+    with Lighthouse("127.0.0.1:0") as lighthouse, pytest.raises(ValueError, match=refused):
+        _fit_alone(tmp_path, lighthouse.address, devices=2)
+
+    strategy = FaultTolerant()
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    strategy.check_devices(2)  # a group of 2 processes (torchrun --nproc-per-node=2)
+    with pytest.raises(ValueError, match="devices=2"):
+        strategy.check_devices(3)
+
+
+def test_an_unreachable_lighthouse_fails_within_timeout_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing listening at the address: the fit's setup fails after timeout_s, naming the address
+    (before: torchft retried for a minute and more); a host that does not resolve fails at once; a
+    ``$TORCHFT_LIGHTHOUSE`` of another form is refused naming the variable."""
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no Lighthouse answers at {closed}.*timeout_s=1"):
+        _fit_alone(tmp_path, closed, timeout_s=1)
+    assert time.monotonic() - start < 15
+    with pytest.raises(ConnectionError, match="does not resolve"):
+        _fit_alone(tmp_path, "http://no-such-host.invalid:29510", timeout_s=30)
+    assert time.monotonic() - start < 45
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "127.0.0.1:29510")
+    with pytest.raises(
+        ValueError, match=r"\$TORCHFT_LIGHTHOUSE='127.0.0.1:29510'; accepted: 'http://host:port'"
+    ):
+        _fit_alone(tmp_path, None)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def torchft_log_levels() -> Any:
+    """torchft's logger levels and filters put back after the test."""
+    import logging
+
+    from lightning_dist.collectives.fault_tolerant_logs import TORCHFT_LOGGERS
+
+    saved = {name: logging.getLogger(name).level for name in TORCHFT_LOGGERS}
+    filters = list(logging.getLogger("torchft.manager").filters)
+    yield
+    for name, level in saved.items():
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger("torchft.manager").filters[:] = filters
+
+
+def test_one_switch_turns_torchft_logs_on(monkeypatch: pytest.MonkeyPatch, torchft_log_levels: Any) -> None:
+    """Quiet by default: torchft's Python loggers at WARNING and its servers' ``RUST_LOG=warn`` in each
+    group's environment; ``FaultTolerant(verbose=True)`` or ``LD_FT_VERBOSE=1`` (the launcher's
+    ``--verbose``) turns them on; a ``RUST_LOG`` the user set is kept."""
+    import logging
+
+    from lightning_dist import FaultTolerant
+    from lightning_dist.launch.fault_tolerant import group_env
+
+    monkeypatch.delenv("LD_FT_VERBOSE", raising=False)
+    monkeypatch.delenv("RUST_LOG", raising=False)
+    FaultTolerant()
+    assert logging.getLogger("torchft.manager").getEffectiveLevel() == logging.WARNING
+    assert group_env(0, "http://127.0.0.1:1", env={})["RUST_LOG"] == "warn"
+    assert group_env(0, "http://127.0.0.1:1", env={"RUST_LOG": "debug"})["RUST_LOG"] == "debug"
+    assert "RUST_LOG" not in group_env(0, "http://127.0.0.1:1", env={"LD_FT_VERBOSE": "1"})
+    FaultTolerant(verbose=True)
+    assert logging.getLogger("torchft.manager").getEffectiveLevel() == logging.INFO
+    assert logging.getLogger("torchft_quorums").getEffectiveLevel() == logging.INFO
+    logging.getLogger("torchft").setLevel(logging.NOTSET)
+    monkeypatch.setenv("LD_FT_VERBOSE", "1")
+    assert FaultTolerant().verbose and not FaultTolerant(verbose=False).verbose
+
+
 # -- slow: whole runs ----------------------------------------------------------------------------------
 def _stop_then_restart_lighthouse(out: Path, lighthouse: Lighthouse, events: dict[str, float]) -> None:
     """During the run in ``out``: SIGSTOP group 1's worker for 15 s (past timeout_s=10) once group 0
@@ -404,6 +625,23 @@ def test_whole_job_ended_resumes_from_its_commit(runs: dict) -> None:
     assert resumed == 10 and 0 < ended + 1 - resumed <= 10, (resumed, ended)
     before = {step: indices for step, indices in ft.steps(first).items() if step < resumed}
     ft.check_against_reference(runs["reference"], again, {**before, **ft.steps(again)})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)  # at least twice the runs fixture's 240 s budget
+def test_hooks_fire_with_their_steps_the_logs_are_quiet_and_a_resume_says_so(runs: dict) -> None:
+    """In every run, each group's batch hooks fired with the ``training_step`` of the batch they were
+    given, and only for the batches it trained (the script checks each one's batch and outputs; in
+    the fault-free run they are exactly the committed samples); no torchft INFO line, "NCCL flight
+    recorder" warning or checkpoint request line in the logs (the launcher's Lighthouse included);
+    the job started again from its commits says where it resumed, once per group."""
+    for name, groups in (("reference", 2), ("kill", 2), ("stop", 2), ("three", 3), ("whole_again", 2)):
+        ft.check_hooks(runs[name], groups, exact=name == "reference")
+    for name in ("reference", "kill", "stop", "three", "whole_again"):
+        assert not ft.noisy_lines(runs[name]), f"{name}: {ft.noisy_lines(runs[name])[:5]}"
+    log = (runs["whole_again"] / "log.txt").read_text()
+    said = f"FaultTolerant: resumed from the commit of step 10 ({runs['whole'] / 'ft_commits'}"
+    assert log.count(said) == 2, log[-3000:]
 
 
 @pytest.mark.slow

@@ -267,6 +267,8 @@ def test_two_processes_per_group_end_on_the_one_process_groups_weights(runs: dic
             assert [r["step"] for r in rows] == list(range(STEPS))
             assert all(len(r["indices"]) == ft.GLOBAL_BATCH // 4 and r["participants"] == 2 for r in rows)
     ft.check_against_reference(runs["reference"], out, n_steps=STEPS, ranks=2)
+    ft.check_hooks(out, ranks=2, exact=True)  # each process's hooks: its own batches, with their steps
+    assert not ft.noisy_lines(out), ft.noisy_lines(out)[:5]
 
 
 @pytest.mark.slow
@@ -290,3 +292,4 @@ def test_killed_process_restarts_only_its_group_which_recovers_from_its_peer(run
             "group 0's processes did not take over group 1's slots"
         )
     ft.check_against_reference(runs["reference"], out, n_steps=STEPS, ranks=2)
+    ft.check_hooks(out, ranks=2)

@@ -130,10 +130,13 @@ def stamp_state(state: Any, step: int) -> dict[str, Any]:
     return {"state": state, "step": step, "checksum": state_checksum(state)}
 
 
-def _safe_http_transport(timeout: timedelta, host: str) -> Any:
+def _safe_http_transport(timeout: timedelta, host: str, verbose: bool = False) -> Any:
     """torchft's ``HTTPTransport``, serving on ``host`` only (torchft's listens on every interface)
-    and loading what it fetches with ``weights_only=True`` (torchft's unpickles anything)."""
+    and loading what it fetches with ``weights_only=True`` (torchft's unpickles anything); unless
+    ``verbose``, without a line on stderr per request served or torch's warning that the received
+    buffer is read-only (the state is copied into the model and optimizers)."""
     import urllib.request
+    import warnings
 
     from torchft.checkpointing._serialization import _streaming_load
     from torchft.checkpointing.http_transport import HTTPTransport
@@ -147,6 +150,14 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
             # torchft's server listens on every interface: replaced before any use
             old: Any = getattr(self, "_server")  # noqa: B009
             handler = old.RequestHandlerClass
+            if not verbose:
+
+                class _QuietHandler(handler):  # type: ignore[misc, valid-type]
+                    @override
+                    def log_message(self, format: str, *args: Any) -> None:
+                        logger.debug(format, *args)
+
+                handler = _QuietHandler
             old.shutdown()
             old.server_close()
             getattr(self, "_thread").join()  # noqa: B009
@@ -180,7 +191,12 @@ def _safe_http_transport(timeout: timedelta, host: str) -> Any:
         @classmethod
         @override
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            with (
+                urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f,
+                warnings.catch_warnings(),
+            ):
+                if not verbose:
+                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 return _streaming_load(f, weights_only=True)
 
     return SafeHTTPTransport()
@@ -434,7 +450,8 @@ class FaultTolerantTransport:
     group's own process group too (``group``).
 
     ``state_dict``/``load_state_dict``: what a healthy group sends and a recovering one loads (the
-    strategy's model, optimizers and its own state); the received state is checked
+    strategy's model, optimizers and its own state); ``verbose``: the checkpoint server logs each
+    request (``fault_tolerant_logs``); the received state is checked
     (``checked_state``) before ``load_state_dict`` sees it. The Manager runs the quorum synchronously
     at ``start_step``, so a recovering group has its peer's state before its first forward pass.
     """
@@ -455,6 +472,7 @@ class FaultTolerantTransport:
         quorum_retries: int = 0,
         group_rank: int = 0,
         group_size: int = 1,
+        verbose: bool = False,
     ) -> None:
         require_torchft()
         from torchft import Manager
@@ -478,7 +496,7 @@ class FaultTolerantTransport:
             )
         store_addr, store_port = self._store_address(host)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else _bound_gloo_group(timeout, host)
-        self.checkpoint_transport = _safe_http_transport(timeout, host)
+        self.checkpoint_transport = _safe_http_transport(timeout, host, verbose)
         with _manager_server_on(host):
             self.manager = Manager(
                 pg=pg,

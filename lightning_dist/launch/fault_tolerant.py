@@ -12,7 +12,8 @@ has torch, Lightning and torchft imported and forks each worker torchrun (re)sta
 skips the imports (``--cold``: none). On SLURM run the Lighthouse once (``torchft_lighthouse --bind
 <head>:29510 --min_replicas 1``) and on every node ``python -m lightning_dist.launch.fault_tolerant
 --group $SLURM_NODEID --lighthouse http://<head>:29510 --host <node address> -- train.py``
-(docs/live-recovery.md).
+(docs/live-recovery.md). torchft's INFO logs (every quorum, from the Lighthouse and each group) are
+off unless ``--verbose`` (or ``LD_FT_VERBOSE=1``): warnings and errors only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ from lightning_dist.collectives.fault_tolerant import (
     REPLICA_GROUP_ENV,
     require_torchft,
 )
+from lightning_dist.collectives.fault_tolerant_logs import (
+    VERBOSE_ENV,
+    configure_torchft_logs,
+    quiet_servers,
+    verbose_wanted,
+)
 from lightning_dist.launch.warm_start import WORKER
 
 MONITOR_INTERVAL_S = 0.05
@@ -43,7 +50,8 @@ MONITOR_INTERVAL_S = 0.05
 class Lighthouse:
     """torchft's Lighthouse server in this process, listening on ``bind`` (``host:port``; port 0
     picks one). ``restart()`` stops it and starts a new one on the same address (its quorum state
-    is lost; the groups' Managers retry and form the next quorum with it)."""
+    is lost; the groups' Managers retry and form the next quorum with it). ``verbose`` (default
+    ``$LD_FT_VERBOSE``): its INFO logs, when torchft is not imported yet in this process."""
 
     def __init__(
         self,
@@ -52,7 +60,9 @@ class Lighthouse:
         join_timeout_ms: int = 1000,
         heartbeat_timeout_ms: int = 5000,
         quorum_tick_ms: int = 50,
+        verbose: Optional[bool] = None,
     ) -> None:
+        configure_torchft_logs(verbose_wanted(verbose))
         check_int("min_replicas", min_replicas, 1, owner="Lighthouse")
         check_int("join_timeout_ms", join_timeout_ms, 0, owner="Lighthouse")
         check_int("heartbeat_timeout_ms", heartbeat_timeout_ms, 1, owner="Lighthouse")
@@ -129,9 +139,11 @@ def group_command(
 def group_env(
     group: int, lighthouse: str, host: str = "127.0.0.1", env: Optional[dict[str, str]] = None
 ) -> dict[str, str]:
-    """The environment of replica group ``group``: its id, the Lighthouse and the listen address."""
+    """The environment of replica group ``group``: its id, the Lighthouse and the listen address;
+    torchft's servers quiet (``RUST_LOG``) unless ``$LD_FT_VERBOSE`` says otherwise."""
     out = dict(os.environ if env is None else env)
     out.update({REPLICA_GROUP_ENV: str(group), LIGHTHOUSE_ENV: lighthouse, HOST_ENV: host})
+    quiet_servers(out, verbose_wanted(env=out))
     return out
 
 
@@ -222,6 +234,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument(
         "--cold", action="store_true", help="no standby: torchrun starts each worker in a fresh Python"
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help=f"torchft's INFO logs, every quorum (default: warnings and errors; also ${VERBOSE_ENV}=1)",
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- train.py [args]")
     args = parser.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -231,6 +248,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--nproc-per-group={args.nproc_per_group}; accepted: 1 or more")
     if args.group is not None and args.lighthouse is None:
         parser.error("--group needs --lighthouse (the job's Lighthouse, started once elsewhere)")
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the Lighthouse here and every group
     host = args.host or args.bind.rsplit(":", 1)[0]
     if host == "auto":
         if args.lighthouse is None:

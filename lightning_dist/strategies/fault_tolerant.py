@@ -23,8 +23,11 @@ the same with 2 groups or 1 up to the order of the float additions.
 
 The training DataLoader must be map-style with ``batch_size`` (the micro-batch); the strategy reads
 the samples of its slots itself (``dataset[i]`` and the loader's ``collate_fn``, in this process),
-after the quorum, and Lightning's loop iterates slot tokens (``Slot``): a hook that reads batches
-before ``training_step`` (``on_before_batch_transfer``, ``on_train_batch_start``) sees a ``Slot``.
+after the quorum. Lightning's loop sees only this process's micro-batches (``fault_tolerant_batches``):
+each batch's hooks fire with its ``training_step``, its real batch and its outputs; Lightning steps
+at every batch (``accumulate_grad_batches=1``) and the strategy sums a step's batches' gradients
+and steps once, after the last. Lightning's epoch is the data epoch: it ends once the committed
+steps reach the next one.
 
 A replica group is ``G`` processes (``torchrun --nproc-per-node=G``, the same ``G`` in every group;
 one node = one group with a process per device): the step's slots are split over every (group,
@@ -44,7 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -52,8 +55,10 @@ from typing import Any, Optional, Union
 import lightning as L
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.utils.data import DataLoader
@@ -67,26 +72,26 @@ from lightning_dist.collectives.fault_tolerant import (
     FaultTolerantTransport,
     require_torchft,
 )
-from lightning_dist.compat import disable_distributed_sampler, set_global_step
+from lightning_dist.collectives.fault_tolerant_addresses import check_lighthouse, wait_for_lighthouse
+from lightning_dist.collectives.fault_tolerant_logs import configure_torchft_logs, verbose_wanted
+from lightning_dist.compat import disable_distributed_sampler, mark_last_batch, set_global_step
 from lightning_dist.compression import Compressor
 from lightning_dist.compression.packing import unflatten
 from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.compressed import build_compressor
+from lightning_dist.strategies.fault_tolerant_batches import (
+    GradientSum,
+    OwnBatches,
+    scaled_loss,
+    slots_per_process,
+)
 from lightning_dist.strategies.fault_tolerant_compression import CompressedGradients
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
 
 logger = logging.getLogger(__name__)
 OWNER = "FaultTolerant"
-
-
-@dataclass(frozen=True)
-class Slot:
-    """What Lightning's loop iterates: the ``index``-th micro-batch slot of the epoch (slot
-    ``index % M`` of its step); the strategy reads the samples once the quorum says whose it is."""
-
-    index: int
 
 
 def owns_slot(slot: int, participants: int, rank: Optional[int]) -> bool:
@@ -107,13 +112,21 @@ def group_place() -> tuple[int, int]:
     return size, rank
 
 
+def resumed_message(step: int, path: object, dirpath: str, max_steps: int) -> str:
+    """What a fit that starts from a commit says: which commit, and when ``max_steps`` is already
+    reached (the fit then ends at once), how to start afresh."""
+    message = f"{OWNER}: resumed from the commit of step {step} ({path})"
+    if 0 <= max_steps <= step:
+        message += (
+            f"; Trainer(max_steps={max_steps}) is reached, nothing is left to train: to start afresh pass "
+            f"another FaultTolerant(dirpath=...) or remove {dirpath}"
+        )
+    return message
+
+
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's settings without its parameters (what a scheduler may change)."""
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _slot(index: int) -> Slot:
-    return Slot(int(index))
 
 
 @dataclass
@@ -126,8 +139,10 @@ class StepRecord:
 
 
 class _StepCallback(L.Callback):
-    """Keeps ``trainer.global_step`` equal to the committed step after each optimizer step, and
-    writes the commits (every ``commit_every`` steps and at the end of fit)."""
+    """After each batch (first of the callbacks, so the user's see it done): ``trainer.global_step``
+    equal to the committed step, the schedulers Lightning stepped put back unless the step was
+    committed at this batch, and the commits written (every ``commit_every`` steps and at the end
+    of fit)."""
 
     def __init__(self, strategy: FaultTolerant) -> None:
         self.strategy = strategy
@@ -137,14 +152,14 @@ class _StepCallback(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         strategy = self.strategy
-        if (
-            strategy.transport is not None
-            and strategy._slot_in_step(batch_idx) == strategy.slots_per_step - 1
-        ):
-            set_global_step(trainer, strategy.data_step())
-            strategy.undo_schedulers()
-            if strategy.options.commit_every and strategy.transport.step % strategy.options.commit_every == 0:
-                strategy.write_commit()
+        if strategy.transport is None:
+            return
+        strategy.show_schedulers()
+        set_global_step(trainer, strategy.data_step())
+        strategy.undo_schedulers()
+        every = strategy.options.commit_every
+        if strategy.last_in_step and every and strategy.transport.step % every == 0:
+            strategy.write_commit()
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -161,12 +176,14 @@ class FaultTolerant(SingleDeviceStrategy):
             takes ``replica_groups`` x ``G`` x the DataLoader's ``batch_size`` samples.
         global_batch: samples per optimizer step over all groups (a multiple of the micro-batch).
         min_replica_size: the fewest groups that may commit a step (torchft's ``min_replica_size``).
-        lighthouse: the Lighthouse address (default: ``$TORCHFT_LIGHTHOUSE``).
-        replica_id: this group's id (default: ``$REPLICA_GROUP_ID``, else torchft's random one).
+        lighthouse: the Lighthouse address, ``http://host:port`` (default: ``$TORCHFT_LIGHTHOUSE``);
+            a Lighthouse that does not answer within ``timeout_s`` fails the fit's setup, naming it.
+        replica_id: this group's id, a str without ``:`` or an int (default: ``$REPLICA_GROUP_ID``,
+            else torchft's random one).
         host: the address this group's servers listen on and advertise (checkpoint server, store);
             default ``$LD_FT_HOST`` or ``127.0.0.1``: set the node's address on a cluster.
         timeout_s: collectives, commits and checkpoint transfers (a group stopped longer is
-            dropped from the quorum).
+            dropped from the quorum), and how long the Lighthouse may take to answer at setup.
         quorum_timeout_s: how long a quorum may take to form.
         quorum_retries: times a failed quorum request (the Lighthouse unreachable, restarting) is
             retried before the group fails (torchft's ``quorum_retries``).
@@ -174,13 +191,18 @@ class FaultTolerant(SingleDeviceStrategy):
             the quorum's participant 0's process 0, and at the end of fit); 0 writes none. A group that starts
             resumes from the newest one (``dirpath``), so a whole-job restart, or a group that finds
             no live peer, loses at most ``commit_every`` steps; with live peers it recovers from them.
-        dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups.
+        dirpath: where commits go (default ``<default_root_dir>/ft_commits``); shared by the groups. A
+            fit that finds a commit there resumes from it and says so (rank 0): another ``dirpath``
+            (or removing that one) starts afresh.
         keep: commits kept.
         start_groups: the groups the first step of a fresh start (not a torchrun restart) waits
             for (up to ``quorum_timeout_s``, then it starts with those there); default
             ``replica_groups``. A group that joins later fetches the state of the step it joins at
             from a peer.
         seed: seed of the per-epoch sample order (``ElasticSampler``).
+        verbose: torchft's INFO logs (its Lighthouse's and Manager's, every quorum); default
+            ``$LD_FT_VERBOSE`` (``1``: on), else off: warnings and errors only
+            (``lightning_dist.collectives.fault_tolerant_logs``).
         device: this group's device (default: ``cuda:$LOCAL_RANK`` when CUDA is available, else CPU).
         compressor: None (the gradients summed in fp32), or a compressor as ``Compressed`` takes it:
             a name (``"fp16"``, ``"bf16"``, ``"int8"``, ``"powersgd"``, ``"topk"``, ...) or a
@@ -201,7 +223,7 @@ class FaultTolerant(SingleDeviceStrategy):
         global_batch: Optional[int] = None,
         min_replica_size: int = 1,
         lighthouse: Optional[str] = None,
-        replica_id: Optional[str] = None,
+        replica_id: Optional[Union[str, int]] = None,
         host: Optional[str] = None,
         timeout_s: float = 60.0,
         quorum_timeout_s: float = 60.0,
@@ -211,6 +233,7 @@ class FaultTolerant(SingleDeviceStrategy):
         dirpath: Optional[Union[str, os.PathLike[str]]] = None,
         keep: int = 3,
         start_groups: Optional[int] = None,
+        verbose: Optional[bool] = None,
         device: Optional[Union[str, torch.device]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[Any] = None,
@@ -230,6 +253,9 @@ class FaultTolerant(SingleDeviceStrategy):
         if compressor is not None:
             built = build_compressor(compressor, compressor_options, owner=OWNER, accepted=accepted)
             self.compression = CompressedGradients(built)
+        self.verbose = verbose_wanted(self.options.verbose)
+        """Whether torchft logs at INFO (``verbose``)."""
+        configure_torchft_logs(self.verbose)  # before torchft's first import: its servers read RUST_LOG then
         require_torchft(OWNER)
         if device is None:
             cuda = torch.cuda.is_available()
@@ -255,6 +281,15 @@ class FaultTolerant(SingleDeviceStrategy):
         self._participants = 1
         self._rank: Optional[int] = None
         self._step_indices: list[int] = []
+        self._queue: list[int] = []
+        """The slots of the current step this process has still to train."""
+        self.last_in_step = False
+        """Whether the batch being trained is this process's last of its step (the step ends after it)."""
+        self._step_epoch = 0
+        """The data epoch of the current step."""
+        self._gradients = GradientSum()
+        self._hidden_schedulers: list[Any] = []
+        self._trainer_devices: list[Any] = []
         self._skipping = False
         self._joined = False
         self._stepped = False
@@ -278,9 +313,43 @@ class FaultTolerant(SingleDeviceStrategy):
         """The collectives over the quorum (``CommMonitor`` reads its counters)."""
         return None if self.transport is None else self.transport.communicator
 
+    @property
+    def parallel_devices(self) -> Optional[list[Any]]:
+        """None: Lightning hands this strategy the devices of ``Trainer(devices=)`` (the setter), to
+        check against the replica group's processes (``check_devices``)."""
+        return None
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[Any]]) -> None:
+        self._trainer_devices = list(devices or [])
+
+    def check_devices(self, group_size: int) -> None:
+        """``ValueError`` when ``Trainer(devices=N)`` asks for N > 1 devices and the replica group has
+        another number of processes: each process trains on one device, and the launcher starts the
+        group's processes (``--nproc-per-group N``). N equal to the group's processes is accepted
+        (each takes the device of its ``LOCAL_RANK``), and so is ``devices="auto"`` on a GPU machine
+        (every GPU: not a request for as many processes)."""
+        n = len(self._trainer_devices)
+        if n <= 1 or n == group_size:
+            return
+        accelerator = self.accelerator
+        if (
+            accelerator is not None
+            and not isinstance(accelerator, CPUAccelerator)
+            and n == accelerator.auto_device_count()
+        ):
+            return  # what devices="auto" gives on a GPU machine
+        raise ValueError(
+            f"{OWNER}: Trainer(devices={n}), but this replica group runs {group_size} process(es) "
+            f"(WORLD_SIZE={group_size}): {OWNER} trains one device per process and its launcher starts "
+            f"them; for {n} per group run python -m lightning_dist.launch.fault_tolerant --nproc-per-group "
+            f"{n} (torchrun --nproc-per-node={n}); accepted: devices=1, 'auto' or {group_size}"
+        )
+
     @override
     def setup_environment(self) -> None:
         self._group_size, self._group_rank = group_place()
+        self.check_devices(self._group_size)
         # Lightning's ranks are the group's: only its rank 0 writes checkpoints and logs
         self.global_rank, self.world_size = self._group_rank, self._group_size
         rank_zero_only.rank = utils_rank_zero_only.rank = self._group_rank  # type: ignore[attr-defined]
@@ -296,14 +365,19 @@ class FaultTolerant(SingleDeviceStrategy):
             return
         callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         if not any(isinstance(c, _StepCallback) and c.strategy is self for c in callbacks):
-            callbacks.append(_StepCallback(self))
-        host = self.options.host or os.environ.get(HOST_ENV, "127.0.0.1")
-        lighthouse = self.options.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        if not lighthouse:
-            raise ValueError(
-                f"{OWNER}: no Lighthouse address: pass lighthouse='http://host:port' or set ${LIGHTHOUSE_ENV} "
-                "(python -m lightning_dist.launch.fault_tolerant starts one and sets it)"
-            )
+            callbacks.insert(0, _StepCallback(self))  # before the user's: they see the step done
+        host = self.options.host or os.environ.get(HOST_ENV) or "127.0.0.1"
+        lighthouse = self.options.lighthouse
+        if lighthouse is None:
+            lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+            if not lighthouse:
+                raise ValueError(
+                    f"{OWNER}: no Lighthouse address: pass lighthouse='http://host:port' or set "
+                    f"${LIGHTHOUSE_ENV} (python -m lightning_dist.launch.fault_tolerant starts one and sets it)"
+                )
+            check_lighthouse(lighthouse, f"${LIGHTHOUSE_ENV}", owner=OWNER)
+        wait_for_lighthouse(lighthouse, self.options.timeout_s, owner=OWNER)
+        replica_id = self.options.replica_id  # a str (FaultTolerantOptions)
         self.transport = FaultTolerantTransport(
             self._state_dict,
             self._load_state_dict,
@@ -311,17 +385,16 @@ class FaultTolerant(SingleDeviceStrategy):
             min_replica_size=self.options.min_replica_size,
             device_type=self.root_device.type,
             lighthouse=lighthouse,
-            replica_id=self.options.replica_id or os.environ.get(REPLICA_GROUP_ENV),
+            replica_id=os.environ.get(REPLICA_GROUP_ENV) if replica_id is None else str(replica_id),
             timeout=timedelta(seconds=self.options.timeout_s),
             quorum_timeout=timedelta(seconds=self.options.quorum_timeout_s),
             quorum_retries=self.options.quorum_retries,
             host=host,
             group_rank=self._group_rank,
             group_size=self._group_size,
+            verbose=self.verbose,
         )
-        self.store = CommitStore(
-            self.options.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"), self.options.keep
-        )
+        self.store = CommitStore(self.commit_dir(trainer), self.options.keep)
         commit = self._agreed_commit()
         if commit is not None:
             # the floor: a group that finds live peers at a later step still recovers from them
@@ -329,7 +402,13 @@ class FaultTolerant(SingleDeviceStrategy):
             self._compressor_from_commit()
             self.transport.resume(commit.step)
             self.resumed_from = commit.step
-            logger.info("%s: resumed from the commit of step %d (%s)", OWNER, commit.step, commit.path)
+            rank_zero_info(
+                resumed_message(commit.step, commit.path, self.commit_dir(trainer), trainer.max_steps)
+            )
+
+    def commit_dir(self, trainer: L.Trainer) -> str:
+        """Where the commits are: ``dirpath``, else ``<trainer.default_root_dir>/ft_commits``."""
+        return str(self.options.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"))
 
     @override
     def on_train_start(self) -> None:
@@ -409,9 +488,6 @@ class FaultTolerant(SingleDeviceStrategy):
         """``M``: micro-batches per step over all groups."""
         return 1 if self.plan is None else self.plan.accumulate
 
-    def _slot_in_step(self, batch_idx: int) -> int:
-        return batch_idx % self.slots_per_step
-
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -440,11 +516,69 @@ class FaultTolerant(SingleDeviceStrategy):
                 f"{OWNER}: Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}); {OWNER} "
                 "accumulates the global batch's micro-batches itself (global_batch=); accepted: 1"
             )
-        trainer.accumulate_grad_batches = self.plan.accumulate
+        processes = self.options.replica_groups * self._group_size
+        if self.plan.accumulate < processes:
+            raise ValueError(
+                f"{OWNER}: global_batch={global_batch} is {self.plan.accumulate} micro-batch(es) of "
+                f"batch_size={micro}, fewer than the {processes} processes of replica_groups="
+                f"{self.options.replica_groups} x {self._group_size}: every process trains a micro-batch "
+                f"of each step; accepted: global_batch >= {processes * micro}"
+            )
+        trainer.accumulate_grad_batches = 1  # Lightning steps at every batch; a step's sum is ours
         self._dataset = dataloader.dataset
         self._collate = dataloader.collate_fn
-        slots = self.plan.steps_per_epoch * self.plan.accumulate
-        return DataLoader(range(slots), batch_size=None, collate_fn=_slot)  # type: ignore[arg-type]
+        per_step = slots_per_process(self.plan.accumulate, processes)
+        return OwnBatches(self._own_batches, self.plan.steps_per_epoch * per_step, dataloader.dataset)
+
+    def _own_batches(self) -> Iterator[Any]:
+        """This process's micro-batches of the fit's current epoch: at each step's start the quorum
+        (``_start_step``), then the samples of each slot it owns, collated (Lightning moves them to the
+        device and calls the transfer hooks). Lightning pulls one batch at a time, so the next step's
+        quorum comes after this one's last batch has stepped. Ends once the committed steps reach
+        the next data epoch (or a commit caught up to reaches ``max_steps``)."""
+        assert self.plan is not None
+        trainer = self._fit_trainer()
+        per_epoch = self.plan.steps_per_epoch
+        epoch: Optional[int] = self._step_epoch if self._queue else None
+        while True:
+            if not self._queue:
+                if epoch is not None and self.data_step() // per_epoch > epoch:
+                    return
+                slots = self._start_step()
+                if slots is None:  # caught up from a commit: that step is not run
+                    if trainer.should_stop:
+                        return
+                    continue
+                self._queue = slots
+                epoch = self._step_epoch if epoch is None else epoch
+            slot = self._queue.pop(0)
+            self.last_in_step = not self._queue
+            indices = self.slot_indices(self.data_step(), slot)
+            self._step_indices += indices
+            set_global_step(trainer, self.data_step(), logger_step=True)
+            yield self._collate([self._dataset[i] for i in indices])
+
+    def _start_step(self) -> Optional[list[int]]:
+        """The slots of the step about to start that this process trains, after its quorum
+        (``_begin_step``); None when the step is not run (``_skipping``). What the step may have to
+        put back is taken here: the schedulers and the optimizers' hyperparameters."""
+        self._begin_step()
+        if self._skipping:
+            return None
+        assert self.plan is not None
+        self._step_indices = []
+        self._stepped = False
+        self._step_epoch = self.data_step() // self.plan.steps_per_epoch
+        self._schedulers = [c.scheduler.state_dict() for c in self._fit_trainer().lr_scheduler_configs]
+        self._hyper = [[_hyperparameters(g) for g in opt.param_groups] for opt in self.optimizers]
+        slots = [slot for slot in range(self.slots_per_step) if self.owns(slot)]
+        if not slots:
+            raise ValueError(
+                f"{OWNER}: the quorum's {self._participants} group(s) x {self._group_size} process(es) are more "
+                f"than the {self.slots_per_step} micro-batches of a step: this process would train none; "
+                f"accepted: global_batch of at least (groups x processes) x batch_size"
+            )
+        return slots
 
     def _sampler(self, epoch: int) -> ElasticSampler:
         assert self.plan is not None
@@ -475,26 +609,14 @@ class FaultTolerant(SingleDeviceStrategy):
         rank = None if self._rank is None else self._rank * self._group_size + self._group_rank
         return owns_slot(slot, self._participants * self._group_size, rank)
 
-    @override
-    def batch_to_device(
-        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
-    ) -> Any:
-        if isinstance(batch, Slot):
-            return batch  # read after the quorum, in training_step
-        return super().batch_to_device(batch, device, dataloader_idx)
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        if self.transport is None or self._slot_in_step(batch_idx) != 0:
-            return
+    def _begin_step(self) -> None:
+        """The step's quorum (a recovering group loads its peer's state in it); a group behind the
+        newest commit catches up to it instead (``_skipping``: the step is not run)."""
+        assert self.transport is not None
         self._join()
         self._participants = max(1, self.transport.participants)
         self._rank = self.transport.participant_rank
-        self._step_indices = []
         self._skipping = self._catch_up()
-        self._schedulers = [c.scheduler.state_dict() for c in self._fit_trainer().lr_scheduler_configs]
-        self._hyper = [[_hyperparameters(g) for g in opt.param_groups] for opt in self.optimizers]
         if self.compression is not None:
             self.compression.begin_step(self.transport.step, self.transport.recovering_peers)
         if self._skipping:
@@ -568,31 +690,12 @@ class FaultTolerant(SingleDeviceStrategy):
             return None
         return commit if commit is not None else self.store.load(step)
 
-    def _read(self, indices: list[int], dataloader_idx: int = 0) -> Any:
-        module = self.lightning_module
-        assert module is not None
-        batch = self._collate([self._dataset[i] for i in indices])
-        batch = module.on_before_batch_transfer(batch, dataloader_idx)
-        batch = super().batch_to_device(batch, self.root_device, dataloader_idx)
-        return module.on_after_batch_transfer(batch, dataloader_idx)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch = args[0] if args else kwargs.get("batch")
-        if not isinstance(batch, Slot) or self.transport is None:
-            return super().training_step(*args, **kwargs)
-        slot = batch.index % self.slots_per_step
-        if not self.owns(slot):
-            # another group computes this slot: nothing to add to the gradient
-            return torch.zeros((), device=self.root_device, requires_grad=True)
-        indices = self.slot_indices(self.data_step(), slot)
-        self._step_indices += indices
-        real = self._read(indices)
-        if args:
-            args = (real, *args[1:])
-        else:
-            kwargs["batch"] = real
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        if self.transport is None or self.plan is None:
+            return output
+        return scaled_loss(output, self.slots_per_step)  # one of the step's M micro-batches
 
     # -- the step ---------------------------------------------------------------------------------
     def _reduce_gradients(self) -> None:
@@ -624,12 +727,36 @@ class FaultTolerant(SingleDeviceStrategy):
     ) -> Any:
         if self.transport is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        loss = closure()  # the step's last slot: forward and backward
+        loss = closure()  # this batch's forward and backward
+        params = self._trainable()
+        self._gradients.add(params)
+        if not self.last_in_step:
+            self._hide_schedulers()
+            return loss  # more of the step's batches to come
+        self._gradients.restore(params)
         self._stepped = False
-        if self._skipping:  # caught up from a commit at this step's start: nothing to commit
-            optimizer.zero_grad(set_to_none=True)
-            return loss
-        return self._step(optimizer, loss, model, **kwargs)
+        result = self._step(optimizer, loss, model, **kwargs)
+        if not self._stepped:
+            self._hide_schedulers()
+        assert self.plan is not None
+        if self.data_step() // self.plan.steps_per_epoch > self._step_epoch:
+            mark_last_batch(self._fit_trainer())  # the data epoch's last step: Lightning's epoch ends
+        return result
+
+    def _hide_schedulers(self) -> None:
+        """Lightning steps the schedulers after every batch's optimizer step: until the batch's
+        end (``show_schedulers``) it finds none, unless the batch ended a committed step."""
+        if self.lr_scheduler_configs:
+            self._hidden_schedulers, self.lr_scheduler_configs = self.lr_scheduler_configs, []
+
+    def show_schedulers(self) -> None:
+        """Give Lightning its schedulers back (``_hide_schedulers``)."""
+        if self._hidden_schedulers:
+            self.lr_scheduler_configs, self._hidden_schedulers = self._hidden_schedulers, []
+
+    def _trainable(self) -> list[Tensor]:
+        assert self.lightning_module is not None
+        return [p for p in self.lightning_module.parameters() if p.requires_grad]
 
     def _step(self, optimizer: Any, loss: Any, model: Any, **kwargs: Any) -> Any:
         """After the step's backward pass: the gradients summed over the quorum, the commit, and the
@@ -650,8 +777,10 @@ class FaultTolerant(SingleDeviceStrategy):
         return super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
 
     def undo_schedulers(self) -> None:
-        """After a step that was not committed, put back the schedulers Lightning stepped anyway
-        (``interval="step"``), so the learning rate follows committed steps only."""
+        """After a batch that did not end a committed step (one before the step's last, or a step
+        that was not committed), put back the schedulers and the hyperparameters they set as they
+        were at the step's start, so the learning rate follows committed steps only (Lightning does
+        not step them then: ``_hide_schedulers``)."""
         if self._stepped:
             return
         for config, state in zip(self._fit_trainer().lr_scheduler_configs, self._schedulers):

@@ -232,18 +232,13 @@ class FaultTolerantDiLoCo(FaultTolerant):
 
     # -- periods ----------------------------------------------------------------------------------
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        first_slot = self.transport is not None and self._slot_in_step(batch_idx) == 0
-        if not first_slot or self._period is not None or self._quorum_kept:
-            super(FaultTolerant, self).on_train_batch_start(batch, batch_idx)
-            if first_slot:
-                self._step_indices = []
-                set_global_step(self._fit_trainer(), self.data_step(), logger_step=True)
-            if not first_slot or self._period is not None:
-                return
+    def _begin_step(self) -> None:
+        if self._period is not None:
+            return  # inside a period: its quorum stands
+        if self._quorum_kept:
             self._quorum_kept = False  # the quorum where a sync did not commit runs the period again
         else:
-            super().on_train_batch_start(batch, batch_idx)  # the period's quorum; a (re)started group heals
+            super()._begin_step()  # the period's quorum; a (re)started group heals
         assert self.transport is not None
         if self._skipping and not self._fit_trainer().should_stop:
             self.transport.start_step()  # caught up from a commit: the quorum at its sync

@@ -29,6 +29,7 @@ from lightning_dist.checks import (
     check_positive,
     reject_unknown_options,
 )
+from lightning_dist.collectives.fault_tolerant_addresses import check_host, check_lighthouse, check_replica_id
 from lightning_dist.collectives.ops import normalize_op, op_name
 from lightning_dist.elastic.sampler import ON_INDIVISIBLE
 
@@ -269,7 +270,8 @@ class FaultTolerantOptions:
     global_batch: Optional[int] = None
     min_replica_size: int = 1
     lighthouse: Optional[str] = None
-    replica_id: Optional[str] = None
+    replica_id: Optional[Union[str, int]] = None
+    """An int becomes its digits (``check_replica_id``)."""
     host: Optional[str] = None
     timeout_s: float = 60.0
     quorum_timeout_s: float = 60.0
@@ -280,9 +282,17 @@ class FaultTolerantOptions:
     keep: int = 3
     start_groups: Optional[int] = None
     """None: ``replica_groups`` (resolved here)."""
+    verbose: Optional[bool] = None
+    """None: ``$LD_FT_VERBOSE`` (``fault_tolerant_logs``)."""
 
     def __post_init__(self) -> None:
         owner = "FaultTolerant"
+        if self.lighthouse is not None:
+            check_lighthouse(self.lighthouse, owner=owner)
+        self.replica_id = check_replica_id(self.replica_id, owner=owner)
+        check_host(self.host, owner=owner)
+        if self.verbose is not None:
+            check_bool("verbose", self.verbose, owner=owner)
         check_int("replica_groups", self.replica_groups, 1, owner=owner)
         if self.global_batch is not None:
             check_int("global_batch", self.global_batch, 1, owner=owner)

@@ -2,7 +2,7 @@
 
 Environment: FT_OUT (a directory), FT_STEPS (max_steps), FT_GROUPS (replica groups, default 2),
 FT_FAIL (``group:step[:rank][,...]``: that group's worker (its process ``rank``, default 0) SIGKILLs itself at
-the start of that step, on its first attempt only: torchft's ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
+its first batch of that step, on its first attempt only: torchft's ``fail_at(rank, step)``), FT_SLEEP and FT_AWAIT (a group training without all FT_GROUPS groups sleeps
 FT_SLEEP per slot until the restart FT_AWAIT names has rejoined),
 FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted worker waits first),
 FT_RESTART_AFTER (a group whose step without all groups a restarted worker waits for first),
@@ -14,10 +14,13 @@ start, what a group killed there loses), FT_INNER=sgd (plain SGD instead of Adam
 (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT, FT_DILOCO_COMPRESSION; it also writes
 ``syncs_<g>.jsonl``: the checksum of each sync's state, and ``starts_<g>.jsonl``: each period started
 from a loaded state, its sync and the checksum of what was loaded).
+Every batch's hooks are checked as a user's would read them (``Hooks``: the real batch, the
+``training_step`` that ran on it and its outputs); a mismatch raises in the worker.
 Writes, per group (per process ``<g>.<rank>`` for the group's ranks > 0, under ``--nproc-per-node`` > 1):
 ``pids_<g>.txt`` (one line per attempt),
 ``steps_<g>.jsonl`` (each committed step, its samples and quorum size, flushed before the next
-step), ``final_<g>.pt`` (the weights at the end) and, with a compressor, ``handoffs_<g>_<attempt>.pt``
+step), ``hooks_<g>_<attempt>.json`` (the batches the hooks and ``training_step`` saw, at the end),
+``final_<g>.pt`` (the weights at the end) and, with a compressor, ``handoffs_<g>_<attempt>.pt``
 (the compressor state it sent to or received from a peer, ``Handoff`` as dicts).
 """
 
@@ -98,14 +101,18 @@ class Regression(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.stepped: list[tuple[list[int], torch.Tensor]] = []
+        """The samples and the loss of each ``training_step`` (``Hooks`` reads them)."""
 
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        x, y, _ = batch
+        x, y, index = batch
         time.sleep(PAUSE)
         if SLEEP and self.trainer.strategy.participants < GROUPS and awaited():  # type: ignore[attr-defined]
             wait_until_started()
             time.sleep(SLEEP)  # groups short of one slow down until the restarted one has rejoined
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.stepped.append((index.tolist(), loss.detach().clone()))
+        return loss
 
     def configure_optimizers(self) -> dict:
         if os.environ.get("FT_INNER") == "sgd":  # no optimizer state: a redone period is bitwise the same
@@ -117,12 +124,50 @@ class Regression(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class Hooks(L.Callback):
+    """What a user's callback reads: each batch's hooks get the real batch (inputs, targets and
+    sample ids) and ``on_train_batch_end`` the outputs of the ``training_step`` that ran on that very
+    batch (its loss over the step's micro-batches, as Lightning's accumulation gives it); a hook
+    without its ``training_step`` raises here. Counts written at the end (``hooks_<g>_<attempt>.json``)."""
+
+    def __init__(self) -> None:
+        self.started: list[list[int]] = []
+        self.ended: list[list[int]] = []
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx
+    ) -> None:
+        x, y, index = batch  # a user's hook unpacks the batch
+        assert x.shape == (4, 8) and y.shape == (4, 1), (x.shape, y.shape)
+        self.started.append(index.tolist())
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        assert isinstance(pl_module, Regression)
+        index = batch[2].tolist()
+        assert pl_module.stepped, "on_train_batch_end without a training_step"
+        trained, loss = pl_module.stepped[-1]
+        assert trained == index == self.started[-1], (trained, index, self.started[-1:])
+        assert len(pl_module.stepped) == len(self.started), "a batch's hooks fired without its training_step"
+        slots = trainer.strategy.slots_per_step  # type: ignore[attr-defined]
+        assert torch.equal(outputs["loss"], loss / slots), (outputs, loss, slots)
+        self.ended.append(index)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert isinstance(pl_module, Regression)
+        seen = {"started": self.started, "ended": self.ended, "stepped": [i for i, _ in pl_module.stepped]}
+        (OUT / f"hooks_{NAME}_{ATTEMPT}.json").write_text(json.dumps(seen))
+
+
 class Record(L.Callback):
-    """Fault injection at a step's start, and each committed step on disk before the next one."""
+    """Fault injection at this process's first batch of a step, and each committed step on disk
+    before the next one."""
 
     def __init__(self) -> None:
         self.written = 0
         self.last: int | None = None
+        self.step: int | None = None
         self.synced = self.started = 0
         self.file = open(OUT / f"steps_{NAME}.jsonl", "a")  # noqa: SIM115
 
@@ -133,13 +178,10 @@ class Record(L.Callback):
         assert isinstance(strategy, FaultTolerant)
         if isinstance(strategy, FaultTolerantDiLoCo):
             self.write_syncs(strategy)
-        if (
-            ATTEMPT == 0
-            and (GROUP, trainer.global_step, RANK) in FAIL
-            and strategy.owns(batch.index % strategy.slots_per_step)
-        ):
+        first, self.step = trainer.global_step != self.step, trainer.global_step
+        if ATTEMPT == 0 and (GROUP, trainer.global_step, RANK) in FAIL and first:
             os.kill(os.getpid(), signal.SIGKILL)
-        if f"{GROUP}:{trainer.global_step}" == DROP and batch.index % strategy.slots_per_step == 0:
+        if f"{GROUP}:{trainer.global_step}" == DROP and first:
             assert strategy.compression is not None
             compressor = strategy.compression.compressor
             compressor.load_state_dict(without_residuals(compressor.state_dict()))
@@ -227,7 +269,7 @@ def main() -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Record()],
+        callbacks=[Record(), Hooks()],
     )
     module = Regression()
     trainer.fit(module, DataLoader(data, batch_size=4))
