@@ -27,7 +27,7 @@ import pytest
 import torch
 from helpers import child_env
 
-pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
+pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install '.[ft]'")
 
 from lightning_dist.collectives.fault_tolerant import (  # noqa: E402
     _bound_gloo_group,

@@ -31,7 +31,7 @@ import pytest
 import torch
 from torch.futures import Future
 
-pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
+pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install '.[ft]'")
 
 from lightning_dist.collectives import Communicator  # noqa: E402
 from lightning_dist.collectives.fault_tolerant import ManagedBackend  # noqa: E402

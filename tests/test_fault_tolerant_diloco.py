@@ -32,7 +32,7 @@ import ft_harness as ft
 import pytest
 import torch
 
-pytest.importorskip("torchft", reason="FaultTolerantDiLoCo needs torchft: pip install 'lightning-dist[ft]'")
+pytest.importorskip("torchft", reason="FaultTolerantDiLoCo needs torchft: pip install '.[ft]'")
 
 from lightning_dist.launch.fault_tolerant import Lighthouse  # noqa: E402
 from lightning_dist.workload.trainer import quiet_trainer  # noqa: E402

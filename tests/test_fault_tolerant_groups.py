@@ -18,7 +18,7 @@ from typing import Any
 import ft_harness as ft
 import pytest
 
-pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
+pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install '.[ft]'")
 
 from lightning_dist.launch.fault_tolerant import group_command, stop_groups  # noqa: E402
 

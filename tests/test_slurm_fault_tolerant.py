@@ -15,7 +15,7 @@ import ft_harness as ft
 import pytest
 from helpers import child_env
 
-pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install 'lightning-dist[ft]'")
+pytest.importorskip("torchft", reason="FaultTolerant needs torchft: pip install '.[ft]'")
 
 from lightning_dist.launch.slurm import SlurmJob  # noqa: E402
 

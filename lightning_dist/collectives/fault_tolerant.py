@@ -14,7 +14,7 @@ torchft does the quorum, the reconfiguration and the transfer; this module only 
 strategy, checks what a recovering group receives (``checked_state``), and makes the checkpoint
 server listen on one address and load with ``weights_only`` (``SafeHTTPTransport``).
 
-torchft is an optional dependency (``pip install lightning-dist[ft]``); importing this module
+torchft is an optional dependency (``pip install '.[ft]'`` from a checkout); importing this module
 without it works, building a transport raises ``ImportError`` saying what to install.
 """
 
@@ -63,8 +63,8 @@ def require_torchft(owner: str = "FaultTolerant") -> None:
     """Raise ``ImportError`` naming the extra to install when torchft is missing."""
     if not torchft_available():
         raise ImportError(
-            f"{owner} needs torchft: pip install 'lightning-dist[ft]' (pins {TORCHFT_PIN}; wheels for "
-            "Linux x86_64, CPython 3.10-3.13 only)"
+            f"{owner} needs torchft: pip install '.[ft]' from a checkout of lightning-dist, or "
+            f"pip install '{TORCHFT_PIN}' (wheels for Linux x86_64, CPython 3.10-3.13 only)"
         )
 
 
