@@ -118,6 +118,9 @@ class PowerSGD(Compressor):
     config: PowerSGDConfig
     aggregation = "allreduce"
     per_tensor = True
+    warmup_fraction = 0.1
+    """torch's guidance for its PowerSGD hook (``PowerSGDState.start_powerSGD_iter``): start with an
+    uncompressed 10% of training, as early steps are the most sensitive to inaccurate gradients."""
 
     def plan(self, shapes: Sequence[Shape]) -> _Plan:
         """Which tensors are compressed, grouped by matrix shape, and which are sent as they are."""
