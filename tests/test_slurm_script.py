@@ -724,3 +724,55 @@ def test_setup_runs_in_the_batch_shell_and_the_ranks_inherit_it(tmp_path: Path) 
         in proc.stdout
     )
     assert "FROM_SETUP=yes" in proc.stdout
+
+
+# -- every strategy class, by name or as lightning_dist:Class(...) --------------------------------
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        ("lightning_dist:DiLoCo(inner_steps=8)", "ld_diloco"),
+        ("DiLoCo", "ld_diloco"),
+        ("lightning_dist:ShardedDiLoCo(inner_steps=4, replicas=2)", "ld_sharded_diloco"),
+        ("lightning_dist:ElasticDiLoCo(inner_steps=4)", "ld_elastic_diloco"),
+        ("lightning_dist:FaultTolerantDiLoCo(inner_steps=4)", "ld_fault_tolerant_diloco"),
+        ("FaultTolerantDiLoCo", "ld_fault_tolerant_diloco"),
+        ("lightning_dist:Sharded(compression='int8')", "ld_sharded_int8"),
+        ("lightning_dist:FaultTolerant(compressor='int8')", "ld_fault_tolerant_int8"),
+    ],
+)
+def test_a_class_launches_as_its_registered_name(spec: str, name: str) -> None:
+    """``lightning_dist:Class(...)`` starts its ranks as the class's ``ld_`` names do (the DiLoCo
+    family's classes were refused: the class table missed them)."""
+    by_class, by_name = resolve_strategy(spec), resolve_strategy(name)
+    assert (by_class.family, by_class.adasum, by_class.one_process) == (
+        by_name.family,
+        by_name.adasum,
+        by_name.one_process,
+    )
+    devices = 1 if by_name.one_process else 2
+    ours, theirs = (SlurmJob(TRAIN, nodes=2, devices=devices, strategy=s) for s in (spec, name))
+    assert ours.launch == theirs.launch
+    tail = f"--strategy {spec if ':' in spec else 'lightning_dist:' + spec}"
+    assert tail in " ".join(ours.command), ours.command  # the package's trainer gets the class spec
+
+
+def test_every_strategy_class_is_launched_or_refused_with_the_reason() -> None:
+    """Each of the pack's strategy classes is accepted, or refused saying why (never "not a strategy
+    lightning-dist can launch"), the same as its registered names."""
+    from lightning_dist.strategies import STRATEGIES
+
+    for cls in STRATEGIES:
+        try:
+            resolve_strategy(f"lightning_dist:{cls}()")
+        except ValueError as err:
+            assert "is refused under SLURM" in str(err), (cls, err)
+    accepted = slurm.accepted_strategies()
+    assert {"DiLoCo", "ShardedDiLoCo", "ElasticDiLoCo", "FaultTolerantDiLoCo"} <= set(accepted)
+
+
+@pytest.mark.parametrize("spec", ["ld_horovod_elastic", "HorovodElastic", "lightning_dist:HorovodElastic()"])
+def test_horovod_elastic_is_refused_with_how_to_run_it(spec: str) -> None:
+    """HorovodElastic needs horovodrun's elastic driver: under the torchrun script its name used to
+    get, every process was Horovod's rank 0 of 1 and trained alone."""
+    with pytest.raises(ValueError, match=r"is refused under SLURM: .*horovodrun.*ld_elastic"):
+        SlurmJob(TRAIN, nodes=2, devices=2, strategy=spec)

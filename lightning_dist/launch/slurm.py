@@ -3,12 +3,12 @@
 One script per job: N nodes x G devices, a strategy name (which decides how the ranks start) and the
 training command. What each strategy family gets:
 
-- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, ``ld_sharded*``, ``Sharded``,
-  Lightning's ``ddp``):
+- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, ``ld_diloco*``, ``DiLoCo``,
+  ``ld_sharded*``, ``Sharded``, ``ShardedDiLoCo``, Lightning's ``ddp``):
   ``srun --ntasks-per-node=G``: one task per device, Lightning's ``SLURMEnvironment`` reads the ranks.
 - Horovod (``horovod*``, ``Horovod``, ``horovod_adasum``, ``HorovodAdasum``): one MPI job of N x G
   ranks: ``srun --mpi=pmix`` when SLURM has the PMIx plugin, otherwise ``mpirun`` over the job's nodes.
-- Elastic (``elastic``, ``Elastic``): one ``torchrun`` per node, c10d rendezvous on the first node,
+- Elastic (``ld_elastic*``, ``Elastic``, ``ElasticDiLoCo``): one ``torchrun`` per node, c10d rendezvous on the first node,
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torch's shared rendezvous store loses the round when a
   node leaves and joins again).
 - FaultTolerant (``ld_fault_tolerant*``, ``FaultTolerant``): torchft's Lighthouse in the batch shell
@@ -16,6 +16,10 @@ training command. What each strategy family gets:
   --group $SLURM_NODEID``: a warm standby and its torchrun of ``--devices`` processes,
   ``--nproc-per-group``; ``FaultTolerantDiLoCo``: 1); a group that dies is restarted by its torchrun
   while the others train on.
+- ``HorovodElastic`` (``ld_horovod_elastic``) is refused: it needs horovodrun's elastic driver.
+
+A class is launched as its registered names are (``_classify``): ``--strategy DiLoCo`` or
+``lightning_dist:DiLoCo(inner_steps=8)`` as ``ld_diloco``.
 
 Requeue (default): ``#SBATCH --requeue`` and a signal ``--signal-seconds`` before the time limit.
 For the DDP and Horovod families SLURM sends SIGUSR1 to every task: Lightning's ``SLURMEnvironment``
@@ -48,8 +52,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -57,17 +61,6 @@ from typing_extensions import override
 
 FAMILIES = ("ddp", "horovod", "elastic", "fault_tolerant")
 MPI_LAUNCHES = ("auto", "pmix", "pmi2", "mpirun")
-CLASS_FAMILIES = {
-    "DDP": ("ddp", False),
-    "Compressed": ("ddp", False),
-    "Elastic": ("elastic", False),
-    "ElasticDiLoCo": ("elastic", False),
-    "FaultTolerant": ("fault_tolerant", False),
-    "Horovod": ("horovod", False),
-    "HorovodAdasum": ("horovod", True),
-    "Sharded": ("ddp", False),
-}
-"""lightning_dist's strategy classes (``--strategy DDP`` or ``lightning_dist:DDP(...)``)."""
 FORK_START_METHODS = ("spawn", "fork", "forkserver")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _NAME = re.compile(r"^[A-Za-z0-9_.,:@%+=-]+$")
@@ -160,47 +153,78 @@ class StrategyKind:
     """One process per replica group (``FaultTolerantDiLoCo``): ``--devices 1`` only."""
 
 
-def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
-    """Accepted registered names, and refused ones with the reason."""
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+HOROVOD_ELASTIC_REFUSED = (
+    "HorovodElastic runs under horovodrun's elastic driver (horovodrun --min-np/--max-np "
+    "--host-discovery-script, docs/horovod-elastic.md), which this script does not start: under srun, "
+    "mpirun or torchrun every process would be Horovod's rank 0 of 1 and train alone; for elastic "
+    "training under SLURM use ld_elastic (torchrun: restarts and world-size changes), or run horovodrun "
+    "in an sbatch script of your own"
+)
 
-    import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
-    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, Sharded
+
+def _classify(cls: type, params: Mapping[str, Any]) -> Union[StrategyKind, str, None]:
+    """How a strategy class starts its ranks under SLURM (``name`` left empty), the reason it is
+    refused, or None for a strategy outside the pack and Lightning's DDP (DeepSpeed, XLA ...)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, HorovodElastic, Sharded
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo
+
+    if issubclass(cls, HorovodElastic):
+        return HOROVOD_ELASTIC_REFUSED
+    if issubclass(cls, ElasticMixin):
+        return StrategyKind("", "elastic")
+    if issubclass(cls, FaultTolerant):
+        return StrategyKind("", "fault_tolerant", one_process=issubclass(cls, FaultTolerantDiLoCo))
+    if issubclass(cls, HorovodAdasum):
+        return StrategyKind("", "horovod", adasum=True)
+    if issubclass(cls, Horovod):
+        return StrategyKind("", "horovod")
+    if issubclass(cls, Sharded):
+        return StrategyKind("", "ddp")  # one task per device, like DDP
+    if cls is DDPStrategy or (issubclass(cls, DDPStrategy) and cls.__module__.startswith("lightning_dist.")):
+        # Lightning's own ddp and lightning_dist's DDP/Compressed/DiLoCo (not DeepSpeed/XLA, DDP subclasses too)
+        start = params.get("start_method", "popen")
+        if start in FORK_START_METHODS:
+            return (
+                f"it starts its own processes (start_method={start!r}), but under SLURM srun starts "
+                "one task per device; use 'ld_ddp' (or 'ddp' for Lightning's own)"
+            )
+        return StrategyKind("", "ddp")
+    return None
+
+
+def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
+    """Accepted registered names, and refused ones with the reason."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
     from lightning_dist.strategies.registry import resolve
 
     kinds: dict[str, StrategyKind] = {}
     refused: dict[str, str] = {}
     for name in StrategyRegistry.available_strategies():
         cls, params = resolve(StrategyRegistry, name)
-        if not isinstance(cls, type):
-            continue
-        if issubclass(cls, ElasticMixin):
-            kinds[name] = StrategyKind(name, "elastic")
-        elif issubclass(cls, FaultTolerant):
-            kinds[name] = StrategyKind(
-                name, "fault_tolerant", one_process=issubclass(cls, FaultTolerantDiLoCo)
-            )
-        elif issubclass(cls, HorovodAdasum):
-            kinds[name] = StrategyKind(name, "horovod", adasum=True)
-        elif issubclass(cls, Horovod):
-            kinds[name] = StrategyKind(name, "horovod")
-        elif issubclass(cls, Sharded):
-            kinds[name] = StrategyKind(name, "ddp")  # one task per device, like DDP
-        elif cls is DDPStrategy or (
-            issubclass(cls, DDPStrategy) and cls.__module__.startswith("lightning_dist.")
-        ):
-            # Lightning's own ddp and lightning_dist's DDP/Compressed (not DeepSpeed/XLA, DDP subclasses too)
-            start = params.get("start_method", "popen")
-            if start in FORK_START_METHODS:
-                refused[name] = (
-                    f"it starts its own processes (start_method={start!r}), but under SLURM srun starts "
-                    "one task per device; use 'ld_ddp' (or 'ddp' for Lightning's own)"
-                )
-            else:
-                kinds[name] = StrategyKind(name, "ddp")
+        kind = _classify(cls, params) if isinstance(cls, type) else None
+        if isinstance(kind, str):
+            refused[name] = kind
+        elif kind is not None:
+            kinds[name] = replace(kind, name=name)
     return kinds, refused
+
+
+def class_kinds() -> dict[str, Union[StrategyKind, str]]:
+    """lightning_dist's strategy classes (``--strategy DDP`` or ``lightning_dist:DDP(...)``): how each
+    starts its ranks, or why it is refused."""
+    import lightning_dist.strategies as strategies
+
+    out: dict[str, Union[StrategyKind, str]] = {}
+    for name in strategies.STRATEGIES:
+        kind = _classify(getattr(strategies, name), {})
+        if kind is not None:
+            out[name] = kind
+    return out
 
 
 def accepted_strategies() -> list[str]:
@@ -213,7 +237,8 @@ def _ordered(kinds: dict[str, StrategyKind]) -> list[str]:
     """Registered names by family (DDP, Horovod, Elastic), then the class names."""
     order = {family: i for i, family in enumerate(FAMILIES)}
     names = sorted(kinds, key=lambda n: (order[kinds[n].family], not n.startswith(("ld_", "compressed_")), n))
-    return names + sorted(CLASS_FAMILIES, key=lambda c: (order[CLASS_FAMILIES[c][0]], c))
+    classes = {c: k for c, k in class_kinds().items() if isinstance(k, StrategyKind)}
+    return names + sorted(classes, key=lambda c: (order[classes[c].family], c))
 
 
 def resolve_strategy(spec: str) -> StrategyKind:
@@ -235,8 +260,10 @@ def resolve_strategy(spec: str) -> StrategyKind:
             class_name = ""
         if module.split(".")[0] != "lightning_dist":
             class_name = ""
-    if class_name in CLASS_FAMILIES:
-        family, adasum = CLASS_FAMILIES[class_name]
+    kind = class_kinds().get(class_name)
+    if isinstance(kind, str):
+        raise ValueError(f"--strategy {spec!r} is refused under SLURM: {kind}")
+    if kind is not None:
         if kwargs.get("start_method") in FORK_START_METHODS:
             raise ValueError(
                 f"--strategy {spec!r}: start_method={kwargs['start_method']!r} starts its own processes, "
@@ -247,7 +274,7 @@ def resolve_strategy(spec: str) -> StrategyKind:
                 f"--strategy {spec!r}: Horovod(op='adasum') is not a strategy; use "
                 "'lightning_dist:HorovodAdasum()' (or the name ld_horovod_adasum) for Horovod's Adasum"
             )
-        return StrategyKind(spec, family, adasum)
+        return replace(kind, name=spec)
     accepted = ", ".join(_ordered(kinds))
     raise ValueError(
         f"--strategy {spec!r} is not a strategy lightning-dist can launch; accepted: {accepted} "
@@ -340,7 +367,7 @@ def command_flags(command: Sequence[str]) -> dict[str, str]:
 
 def _trainer_strategy(spec: str) -> str:
     """``--strategy`` as the package's trainer takes it: a class name is ``lightning_dist:Class``."""
-    return f"lightning_dist:{spec}" if spec in CLASS_FAMILIES else spec
+    return f"lightning_dist:{spec}" if spec in class_kinds() else spec
 
 
 def _same_strategy(a: str, b: str) -> bool:
@@ -1023,8 +1050,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--strategy",
         default=None,
-        help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_horovod, ld_horovod_adasum, ld_elastic, "
-        "ld_fault_tolerant, a class name (DDP, Compressed, Horovod, HorovodAdasum, Elastic, FaultTolerant), "
+        help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_diloco, ld_sharded, ld_horovod, "
+        "ld_horovod_adasum, ld_elastic, ld_fault_tolerant (`lightning-dist strategies` lists them all), a class "
+        "name (DDP, Compressed, DiLoCo, Sharded, ShardedDiLoCo, Horovod, HorovodAdasum, Elastic, ElasticDiLoCo, "
+        "FaultTolerant, FaultTolerantDiLoCo), "
         "'lightning_dist:Class(kw=...)' or "
         "Lightning's ddp; decides how the ranks start; "
         + from_command.format(flag="--strategy", default="ld_ddp"),
