@@ -87,6 +87,9 @@ MAIL_TYPES = (
     "TIME_LIMIT_50",
     "ARRAY_TASKS",
 )
+GPU_CPUS_PER_TASK = 8
+"""``--cpus-per-task`` of a GPU task when none is given: cores for its dataloader workers (SLURM's own
+default is 1, which a Lightning job's ``num_workers`` would share)."""
 TRAINER_FLAG_MODES = ("auto", "always", "never")
 TRAINER_FLAGS = ("--strategy", "--devices", "--accelerator", "--num-nodes")
 """The training command's flags that follow from the job (``--trainer-flags``)."""
@@ -428,7 +431,8 @@ class SlurmJob:
     output: str = "%x-%j.out"
     """Output file (SLURM's patterns); appended to across requeues."""
     cpus_per_task: Optional[int] = None
-    """CPUs per rank (Elastic's one task per node gets ``devices`` times this)."""
+    """CPUs per rank (Elastic's one task per node gets ``devices`` times this); None: ``GPU_CPUS_PER_TASK``
+    on GPUs, SLURM's default (1) on CPUs."""
     gpus_per_node: int = 0
     """GPUs per node (0: none, or ``devices`` with ``accelerator="gpu"``); every task of a node sees all
     of them."""
@@ -476,6 +480,8 @@ class SlurmJob:
     """``auto``: fill in and check the training command's ``TRAINER_FLAGS`` when it runs the package's
     trainer; ``always``: for any command (it takes those flags as the package's trainer does);
     ``never``: leave the command as it is."""
+    fills_trainer_flags: bool = field(init=False)
+    """Whether ``command`` got the job's ``TRAINER_FLAGS`` (the package's trainer, or ``always``)."""
     kind: StrategyKind = field(init=False)
     launch: str = field(init=False)
     """``srun``, ``srun-pmix``, ``srun-pmi2``, ``mpirun`` or ``torchrun``."""
@@ -587,9 +593,12 @@ class SlurmJob:
             raise ValueError(
                 f"--trainer-flags={self.trainer_flags!r}; accepted: {', '.join(TRAINER_FLAG_MODES)}"
             )
-        if self.trainer_flags == "always" or (
+        if self.cpus_per_task is None and self.accelerator == "gpu":
+            self.cpus_per_task = GPU_CPUS_PER_TASK
+        self.fills_trainer_flags = self.trainer_flags == "always" or (
             self.trainer_flags == "auto" and runs_workload_trainer(self.command)
-        ):
+        )
+        if self.fills_trainer_flags:
             self.command = self._with_trainer_flags()
 
     def _check_sbatch_options(self) -> None:
@@ -641,21 +650,58 @@ class SlurmJob:
             self.gpus_per_node = gpus = self.devices
         return gpus
 
+    def _wanted_flags(self) -> dict[str, str]:
+        """The ``TRAINER_FLAGS`` values that follow from the job."""
+        one_per_rank = self.kind.family in ("horovod", "fault_tolerant")
+        return {
+            "--strategy": _trainer_strategy(self.strategy),
+            "--devices": "1" if one_per_rank else str(self.devices),
+            "--accelerator": str(self.accelerator),
+            "--num-nodes": str(self.nodes),
+        }
+
+    def _added_flag(self, flag: str) -> bool:
+        """Whether ``flag`` is appended when the command leaves it out: Horovod and Elastic take the
+        node count from MPI / the rendezvous (checked, not added)."""
+        return flag != "--num-nodes" or self.kind.family == "ddp"
+
+    def trainer_needs(self) -> str:
+        """The Trainer arguments the job's ranks need, as Python (``strategy='ld_ddp', devices=4, ...``)."""
+        spec = _trainer_strategy(self.strategy)
+        if spec.startswith("lightning_dist:"):
+            expr = spec.partition(":")[2]
+            strategy = expr if expr.endswith(")") else expr + "()"
+        else:
+            strategy = repr(spec)
+        wanted = self._wanted_flags()
+        parts = [f"strategy={strategy}", f"devices={wanted['--devices']}"]
+        if self._added_flag("--num-nodes"):
+            parts.append(f"num_nodes={wanted['--num-nodes']}")
+        parts.append(f"accelerator={wanted['--accelerator']!r}")
+        return ", ".join(parts)
+
+    def unfilled_note(self) -> Optional[str]:
+        """What a command that did not get the job's flags must do itself (None when it got them)."""
+        if self.fills_trainer_flags:
+            return None
+        why = (
+            "is not the package's trainer, so it is left as it is (--trainer-flags auto)"
+            if self.trainer_flags == "auto"
+            else "is left as it is (--trainer-flags never)"
+        )
+        return (
+            f"the training command {why}: its Trainer needs {self.trainer_needs()} (given in the script, "
+            "or as flags it reads; --trainer-flags always appends --strategy/--devices/--accelerator/--num-nodes "
+            "to a command that takes them as examples/train.py does)"
+        )
+
     def _with_trainer_flags(self) -> list[str]:
         """The command with the ``TRAINER_FLAGS`` it leaves out appended; one it gives must agree."""
         given = command_flags(self.command)
         horovod = self.kind.family == "horovod"
-        devices = "1" if horovod or self.kind.family == "fault_tolerant" else str(self.devices)
-        wanted = {
-            "--strategy": _trainer_strategy(self.strategy),
-            "--devices": devices,
-            "--accelerator": str(self.accelerator),
-            "--num-nodes": str(self.nodes),
-        }
-        # Horovod and Elastic take the node count from MPI / the rendezvous: checked, not added
-        fill = [
-            f for f in TRAINER_FLAGS if f not in given and (f != "--num-nodes" or self.kind.family == "ddp")
-        ]
+        wanted = self._wanted_flags()
+        devices = wanted["--devices"]
+        fill = [f for f in TRAINER_FLAGS if f not in given and self._added_flag(f)]
         fix = "drop it from the training command (it is filled in from the job) or give the same value"
         for flag, value in given.items():
             if flag == "--strategy" and not _same_strategy(value, self.strategy):
@@ -703,6 +749,13 @@ class SlurmJob:
     def ranks(self) -> int:
         return self.nodes * self.devices
 
+    @property
+    def task_cpus(self) -> Optional[int]:
+        """``--cpus-per-task`` of a SLURM task: a rank's, or (one agent per node) ``devices`` ranks'."""
+        if self.launch in ("torchrun", "fault_tolerant"):
+            return self.devices * (self.cpus_per_task or 1)
+        return self.cpus_per_task
+
     def _batch_signal(self) -> bool:
         """The batch shell takes the signal (Elastic, FaultTolerant: requeue; mpirun: forward it)."""
         return self.launch in ("torchrun", "fault_tolerant", "mpirun")
@@ -714,10 +767,8 @@ class SlurmJob:
             f"--nodes={self.nodes}",
             f"--ntasks-per-node={1 if elastic else self.devices}",
         ]
-        if elastic:
-            lines.append(f"--cpus-per-task={self.devices * (self.cpus_per_task or 1)}")
-        elif self.cpus_per_task is not None:
-            lines.append(f"--cpus-per-task={self.cpus_per_task}")
+        if self.task_cpus is not None:
+            lines.append(f"--cpus-per-task={self.task_cpus}")
         if self.gpus_per_node:
             lines.append(f"--gpus-per-node={self.gpus_per_node}")
         for name in ("gres", "partition", "account", "qos", "constraint", "time", "mem", "chdir"):
@@ -839,6 +890,10 @@ class SlurmJob:
             f"({family} family), {self.nodes} node(s) x {self.devices} device(s) = {self.ranks} rank(s).",
             f"# {how}.",
             "# Submit: sbatch <this file>",
+            *(
+                f"# Note: {line}" if i == 0 else f"# {line}"
+                for i, line in enumerate(_wrap(self.unfilled_note()))
+            ),
             *self.header(),
             "set -euo pipefail",
             'echo "lightning-dist: job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
@@ -885,6 +940,11 @@ class SlurmJob:
             ]
         if self.launch == "fault_tolerant":
             lines += self._lighthouse_lines()
+        if self.task_cpus is not None and self.launch != "mpirun":
+            lines += [
+                "# srun (SLURM >= 22.05) does not inherit sbatch's --cpus-per-task: give it to each task",
+                f"export SRUN_CPUS_PER_TASK={self.task_cpus}",
+            ]
         launch = words(self.launch_command())
         if not (self.requeue and self._batch_signal()):
             lines.append(launch)
@@ -916,6 +976,13 @@ class SlurmJob:
             'exit "$rc"',
         ]
         return "\n".join(lines) + "\n"
+
+
+def _wrap(text: Optional[str], width: int = 98) -> list[str]:
+    """``text`` as comment lines of at most ``width`` characters (none for None)."""
+    import textwrap
+
+    return textwrap.wrap(text, width) if text else []
 
 
 def write_script(job: SlurmJob, path: str | os.PathLike[str]) -> Path:
@@ -1091,7 +1158,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "--cpus-per-task",
         type=int,
         default=None,
-        help="CPUs per rank (Elastic: per worker); default SLURM's (1)",
+        help=f"CPUs per rank (Elastic: per worker), for its dataloader workers; default {GPU_CPUS_PER_TASK} per "
+        "GPU task (with --accelerator gpu), SLURM's (1) for CPU ranks",
     )
     p.add_argument(
         "--gpus-per-node",
@@ -1266,6 +1334,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     print(f"wrote {path} ({job.launch}, {job.nodes} x {job.devices} = {job.ranks} ranks)")
     if job.command != command:
         print(f"training command, flags filled in from the job: {shlex.join(job.command)}")
+    note = job.unfilled_note()
+    if note is not None:
+        print(f"note: {note}")
     if not args.submit:
         print(f"submit with: sbatch {shlex.quote(str(path))}")
         return 0
