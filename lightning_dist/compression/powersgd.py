@@ -41,7 +41,8 @@ class PowerSGDConfig:
     rank: int = 4
     """Rank r of the approximation (clamped to each matrix's smaller side)."""
     start_step: int = 0
-    """Exchanges per key that use a plain all-reduce before compression starts."""
+    """Exchanges per key that use a plain all-reduce before compression starts (``Compressed``'s
+    ``warmup`` counts optimizer steps instead, and is 10% of them by default)."""
     min_compression_rate: float = 2.0
     """Compress a matrix only if rows*cols >= rate * (rows+cols)*r; 0 compresses every matrix."""
     error_feedback: bool = True
