@@ -7,7 +7,8 @@ one, and a bucket that arrives while an earlier one is in flight queues behind i
 
 State is kept per *key*: the bucket index of DDP's steady (rebuilt) bucket layout. The layout, as
 parameter indices per key, is recorded so a resumed run can split DDP's first, pre-rebuild bucket
-into the keys the checkpointed state belongs to.
+into the keys the checkpointed state belongs to. During the strategy's warm-up (``uncompressed``) a
+bucket is all-reduced as ``DDP()``'s hook does it, its layout recorded all the same.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
