@@ -1022,7 +1022,10 @@ and one replica group per node (--devices 1).
 Say things once (--trainer-flags): when TRAINING_COMMAND runs the package's trainer
 (examples/train.py, python -m lightning_dist.workload.train), the --strategy, --devices,
 --accelerator and (DDP family) --num-nodes it leaves out are appended from these options, and these
-options, when not given, are taken from it; a value given on both sides must agree.
+options, when not given, are taken from it; a value given on both sides must agree. Any other
+command is run as it is, with a note (printed, and atop the script) of the Trainer arguments its
+ranks need. A GPU task gets --cpus-per-task 8 (its DataLoader workers need cores) unless -c says
+otherwise.
 With requeue (default) SIGUSR1 comes --signal-seconds before --time: Lightning saves an hpc
 checkpoint and requeues the job, which resumes from it; Elastic resumes from its commits.
 Bad combinations are refused before anything is written."""
