@@ -181,4 +181,3 @@ def test_an_unknown_ld_name_points_to_the_strategies_command() -> None:
     assert build_strategy("ld_compressed_int8") == "ld_compressed_int8"
     assert build_strategy("LD_DDP") == "LD_DDP"  # Lightning lowercases the names it looks up
     assert build_strategy("ddp") == "ddp"
-
