@@ -90,7 +90,7 @@ ROWS: dict[str, Row] = {
         Row("c_fp16", "Compressed('fp16')", "lightning", options={"compressor": "fp16"}),
         Row("c_bf16", "Compressed('bf16')", "lightning", options={"compressor": "bf16"}),
         Row("c_int8", "Compressed('int8')", "lightning", options={"compressor": "int8"}),
-        Row("c_powersgd", "Compressed('powersgd', rank=4)", "lightning", options={"compressor": "powersgd", "rank": 4}),
+        Row("c_powersgd", "Compressed('powersgd', rank=4)", "lightning", options={"compressor": "powersgd", "rank": 4, "warmup": 0}),
         Row("c_topk", "Compressed('topk', ratio=0.01)", "lightning", options={"compressor": "topk", "ratio": 0.01}),
         Row("c_sign", "Compressed('sign')", "lightning", options={"compressor": "sign"}),
         Row("c_demo", "Compressed('demo') (SGD)", "lightning", options={"compressor": "demo"}),

@@ -40,7 +40,7 @@ ROWS: list[tuple[str, str, dict[str, Any]]] = [
     ("Compressed fp16", "fp16", {}),
     ("Compressed bf16", "bf16", {}),
     ("Compressed int8", "int8", {}),
-    ("Compressed powersgd rank 4", "powersgd", {"rank": 4}),
+    ("Compressed powersgd rank 4", "powersgd", {"rank": 4, "warmup": 0}),  # compressed from step 0
     ("Compressed topk 1%", "topk", {"ratio": 0.01}),
     ("Compressed sign", "sign", {}),
     ("Compressed demo (SGD)", "demo", {}),

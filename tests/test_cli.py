@@ -175,3 +175,22 @@ def test_install_horovod_is_a_subcommand(capsys: pytest.CaptureFixture[str]) -> 
     assert "HOROVOD_WITH_PYTORCH=1" in out.out
     with pytest.raises(SystemExit):
         main(["install-horovod", "--no-such-flag"])
+
+
+def test_an_unknown_ld_name_points_to_the_strategies_command() -> None:
+    """The pack's trainer (examples/train.py, the demo, benchmarks) names the closest ld_ names and
+    ``lightning-dist strategies`` for an ld_ name that is not registered; Lightning's own names and
+    the registered ones pass. (``Trainer(strategy="ld_...")`` itself raises Lightning's message: it
+    tests a list of the registry's keys and raises a fixed text, with no hook before it.)"""
+    from lightning_dist.workload.train import build_strategy
+
+    with pytest.raises(
+        ValueError, match=r"strategy='ld_compresed_int8'.*did you mean 'ld_compressed_int8'"
+    ) as err:
+        build_strategy("ld_compresed_int8")
+    assert "`lightning-dist strategies`" in str(err.value) and "'compressed_int8'" not in str(err.value)
+    with pytest.raises(ValueError, match=r"registers; `lightning-dist strategies` lists every ld_ name"):
+        build_strategy("ld_nothing_like_this_at_all")
+    assert build_strategy("ld_compressed_int8") == "ld_compressed_int8"
+    assert build_strategy("LD_DDP") == "LD_DDP"  # Lightning lowercases the names it looks up
+    assert build_strategy("ddp") == "ddp"

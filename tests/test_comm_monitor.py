@@ -227,6 +227,33 @@ def test_summary_medians_after_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
     assert empty["steps"] == 0 and math.isnan(empty["median_step_s"]) and empty["bytes_sent_per_step"] == 0
 
 
+def test_a_strategy_it_cannot_measure_is_named_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a strategy without the pack's communicator (Lightning's "ddp") at world size > 1 the
+    comm/* values read 0: one warning says so, naming the strategy and what CommMonitor measures.
+    The pack's strategies, and one process (nothing to send), get none."""
+    import warnings
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    monkeypatch.setattr(monitor_module, "perf_counter", lambda: 0.0)
+    module: Any = FakeModule()
+    lightning_ddp: Any = SimpleNamespace(global_step=0, world_size=2, strategy=DDPStrategy())
+    monitor = CommMonitor()
+    with pytest.warns(UserWarning) as caught:
+        for _ in range(2):  # a second fit: no second warning
+            monitor.on_train_start(lightning_ddp, module)
+    (warning,) = [w for w in caught if "CommMonitor" in str(w.message)]
+    message = str(warning.message)
+    for part in ("DDPStrategy", "comm/bytes_sent", "comm/share", "lightning-dist strategies", "ld_ddp"):
+        assert part in message, (part, message)
+    counted = SimpleNamespace(communicator=SimpleNamespace(stats=FakeCounters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CommMonitor().on_train_start(SimpleNamespace(global_step=0, world_size=2, strategy=counted), module)
+        alone = SimpleNamespace(global_step=0, world_size=1, strategy=SimpleNamespace())
+        CommMonitor().on_train_start(alone, module)
+
+
 def test_real_fit_one_process_with_accumulation(tmp_path: Path) -> None:
     """Lightning's own hooks: one logged row per optimizer step, micro-batches added up, the
     progress-bar keys in ``trainer.progress_bar_metrics``."""

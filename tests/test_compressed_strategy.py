@@ -14,13 +14,14 @@ import math
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from helpers import MPIRUN_TWO_RANKS, SCRIPTS, assert_same_weights, max_abs_diff, run_in_sequence, run_script
 
-from lightning_dist.compression import make_compressor
+from lightning_dist.compression import PowerSGD, make_compressor
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 SCRIPT = str(SCRIPTS / "compressed_run.py")
@@ -37,6 +38,47 @@ TOLERANCE = {
     "sign": 0.10,
     "demo": 0.10,
 }
+
+
+COMPRESS_FROM_THE_START = {"powersgd": {"warmup": 0}}
+"""The options that keep a compressor compressing from the first step (PowerSGD's default
+``warmup="auto"`` averages the first 10% of the steps uncompressed): the runs that test compression
+itself (bytes, residuals, resume) pin it."""
+
+
+# -- PowerSGD's warm-up, in this process -----------------------------------------------------------
+def test_powersgd_defaults_warm_up_as_torch_advises() -> None:
+    """``ld_compressed_powersgd`` and ``Compressed("powersgd")`` average the first 10% of the Trainer's
+    steps uncompressed (torch's guidance for its PowerSGD hook); ``warmup=N`` sets it; compressors
+    without a warm-up fraction, and PowerSGD with its own ``start_step``, start at once."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_dist.strategies.compressed import AUTO_WARMUP_UNBOUNDED, Compressed
+
+    named = StrategyRegistry.get("ld_compressed_powersgd")
+    assert isinstance(named, Compressed) and isinstance(named.compressor, PowerSGD)
+    assert named.warmup == Compressed("powersgd").warmup == "auto"
+
+    def steps(total: float) -> Any:
+        return SimpleNamespace(estimated_stepping_batches=total)
+
+    assert named.resolve_warmup(steps(20)) == 2
+    assert named.resolve_warmup(steps(95)) == 10  # rounded up
+    assert named.resolve_warmup(steps(float("inf"))) == AUTO_WARMUP_UNBOUNDED
+    assert Compressed(PowerSGD(rank=2)).resolve_warmup(steps(1000)) == 100
+    assert Compressed("powersgd", warmup=5).resolve_warmup(steps(20)) == 5
+    assert Compressed("powersgd", warmup=0).resolve_warmup(steps(20)) == 0
+    assert Compressed("powersgd", start_step=3).resolve_warmup(steps(20)) == 0
+    for other in ("none", "fp16", "int8", "topk"):
+        assert Compressed(other).resolve_warmup(steps(20)) == 0, other
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "none", None])
+def test_bad_warmup_is_refused_naming_what_is_accepted(bad: Any) -> None:
+    from lightning_dist.strategies.compressed import Compressed
+
+    with pytest.raises(ValueError, match=r"warmup=.* accepted: 'auto' or an integer >= 0"):
+        Compressed("powersgd", warmup=bad)
 
 
 # -- 2 processes over Gloo -------------------------------------------------------------------------
@@ -60,10 +102,15 @@ def info(out: Path, name: str, rank: int = 0) -> dict[str, Any]:
 
 def training_runs() -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = [{"name": "ddp", "strategy": "DDP"}, {"name": "none", "strategy": "none"}]
-    runs += [{"name": c, "strategy": c} for c in TOLERANCE if c != "demo"]
+    runs += [
+        {"name": c, "strategy": c, "options": dict(COMPRESS_FROM_THE_START.get(c, {}))}
+        for c in TOLERANCE
+        if c != "demo"
+    ]
     runs.append({"name": "demo", "strategy": "demo", "optimizer": "sgd"})
     for r in runs:
         r.update(steps=STEPS, workload=WORKLOAD)
+    runs[0]["snapshot_steps"] = [WARMUP_AUTO, WARMUP, WARMUP_STEPS]  # DDP's weights after those steps
     short = {"steps": 12, "validate": False}
     runs += [
         {"name": "ddp_acc", "strategy": "DDP", "accumulate": 2, **short},
@@ -74,7 +121,7 @@ def training_runs() -> list[dict[str, Any]]:
         {
             "name": "powersgd_buckets_bf16",
             "strategy": "powersgd",
-            "options": {"bucket_cap_mb": 0.01},
+            "options": {"bucket_cap_mb": 0.01, "warmup": 0},
             "precision": "bf16-mixed",
             "accumulate": 2,
             **short,
@@ -103,6 +150,7 @@ def training_runs() -> list[dict[str, Any]]:
         {"name": "demo_one_bucket", "strategy": "demo", "optimizer": "sgd", **short},
     ]  # fmt: skip
     runs.append(HOROVOD_REFERENCE)
+    runs += warmup_runs()
     return runs
 
 
@@ -117,6 +165,23 @@ from the reference's over the reference's distance from the initial weights). Me
 loss -0.00% / +1.6% / +0.3% / -0.5%, distance 0.004 / 0.35 / 0.10 / 0.64. The reference is the
 uncompressed run with the same precision, accumulation and buckets (DeMo's: DeMo in one bucket, as
 DeMo's sign update has no uncompressed twin); a run that did not train ends near ln(256), 35% off."""
+
+
+WARMUP = 4
+"""``Compressed("powersgd", warmup=WARMUP)``: steps averaged uncompressed before PowerSGD starts."""
+WARMUP_STEPS = 8
+WARMUP_AUTO = 2
+"""``warmup="auto"`` on a 20-step run: 10% of it (torch's guidance for its PowerSGD hook)."""
+
+
+def warmup_runs() -> list[dict[str, Any]]:
+    """PowerSGD after an explicit warm-up, and with its defaults (as ``ld_compressed_powersgd``)."""
+    common = {"strategy": "powersgd", "workload": WORKLOAD, "validate": False}
+    return [
+        {"name": "powersgd_warmup", "options": {"warmup": WARMUP}, "steps": WARMUP_STEPS,
+         "snapshot_steps": [WARMUP], **common},
+        {"name": "powersgd_auto", "steps": 20, "snapshot_steps": [WARMUP_AUTO], **common},
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -203,14 +268,42 @@ def test_mixed_precision_accumulation_adasum_and_many_buckets(trained: Path) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2 * JOB_BUDGET)
+def test_powersgd_warmup_is_ddp_bitwise_then_compresses(trained: Path) -> None:
+    """The warm-up steps are ``DDP()``'s, bitwise (weights after them, on both ranks); from the next
+    step on every step sends PowerSGD's wire bytes; ``warmup="auto"`` is 10% of a 20-step run."""
+    shapes = [tuple(p.shape) for p in TinyCausalLM(WorkloadConfig.tiny(seed=7)).parameters()]
+    uncompressed = 4 * sum(math.prod(s) for s in shapes)  # a ring all-reduce at W=2 sends N bytes
+    for name, warmup, steps in (
+        ("powersgd_warmup", WARMUP, WARMUP_STEPS),
+        ("powersgd_auto", WARMUP_AUTO, 20),
+    ):
+        got = info(trained, name)
+        assert got["warmup_steps"] == warmup, name
+        for rank in (0, 1):
+            ddp = torch.load(trained / f"ddp.step{warmup}.rank0.pt")
+            assert_same_weights(torch.load(trained / f"{name}.step{warmup}.rank{rank}.pt"), ddp, atol=0)
+        (layout,) = got["layout"].values()
+        compressed = PowerSGD().wire_bytes([shapes[i] for i in layout], 2)
+        assert got["step_bytes"] == [uncompressed] * warmup + [compressed] * (steps - warmup), name
+        assert compressed < 0.3 * uncompressed
+        assert_same_weights(weights(trained, name, 1), weights(trained, name, 0), atol=0)
+    ddp_after = torch.load(trained / f"ddp.step{WARMUP_STEPS}.rank0.pt")
+    drift = max_abs_diff(weights(trained, "powersgd_warmup"), ddp_after)
+    assert drift > 1e-5, f"the steps after the warm-up must be compressed (max diff from DDP()'s {drift})"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * JOB_BUDGET)
 def test_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "epoch1.ckpt")
+    ckpt_warmup = str(tmp_path / "warmup_epoch1.ckpt")
     base = {
         "strategy": "powersgd",
         "batches_per_epoch": 5,
         "validate": False,
-        "options": {"bucket_cap_mb": 0.01},
+        "options": {"bucket_cap_mb": 0.01, "warmup": 0},
     }
+    warmup = {**base, "options": {"bucket_cap_mb": 0.01, "warmup": 7}}
     out = job(
         tmp_path,
         [
@@ -218,6 +311,10 @@ def test_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
             {"name": "first", "epochs": 1, "save": ckpt, **base},
             {"name": "resumed", "epochs": 2, "resume": ckpt, **base},
             {"name": "dropped", "epochs": 2, "resume": ckpt, "drop_compressor_state": True, **base},
+            # stopped inside the warm-up (after step 5 of 7), resumed: the warm-up ends where it would have
+            {"name": "full_warmup", "epochs": 2, **warmup},
+            {"name": "first_warmup", "epochs": 1, "save": ckpt_warmup, **warmup},
+            {"name": "resumed_warmup", "epochs": 2, "resume": ckpt_warmup, **warmup},
         ],
     )
     saved = torch.load(ckpt, weights_only=False)["lightning_dist.compressed"]
@@ -233,6 +330,12 @@ def test_checkpoint_resume_continues_exactly(tmp_path: Path) -> None:
     assert info(out, "resumed")["layout"] == info(out, "full")["layout"]
     drift = max_abs_diff(weights(out, "dropped"), weights(out, "full"))
     assert drift > 1e-4, f"resuming without the compressor state should differ (max diff {drift})"
+    for rank in (0, 1):
+        assert_same_weights(
+            weights(out, "resumed_warmup", rank), weights(out, "full_warmup", rank), atol=1e-6
+        )
+    full, resumed = info(out, "full_warmup")["step_bytes"], info(out, "resumed_warmup")["step_bytes"]
+    assert resumed == full[5:] and full[6] > 3 * full[7], "steps 5, 6 uncompressed, PowerSGD from step 7"
 
 
 # -- Horovod compression= ---------------------------------------------------------------------------

@@ -89,7 +89,10 @@ def test_elastic_runs_one_torchrun_per_node() -> None:
         strategy="elastic",
     ).render()
     header = sbatch_lines(script)
-    assert "--ntasks-per-node=1" in header and "--cpus-per-task=8" in header and "--gpus-per-node=8" in header
+    # one torchrun task per node: 8 GPU ranks x GPU_CPUS_PER_TASK (8) CPUs
+    assert (
+        "--ntasks-per-node=1" in header and "--cpus-per-task=64" in header and "--gpus-per-node=8" in header
+    )
     assert "--signal=B:SIGUSR1@90" in header  # the batch shell requeues; Elastic resumes from its commits
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script
     assert 'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
@@ -724,3 +727,137 @@ def test_setup_runs_in_the_batch_shell_and_the_ranks_inherit_it(tmp_path: Path) 
         in proc.stdout
     )
     assert "FROM_SETUP=yes" in proc.stdout
+
+
+# -- every strategy class, by name or as lightning_dist:Class(...) --------------------------------
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [
+        ("lightning_dist:DiLoCo(inner_steps=8)", "ld_diloco"),
+        ("DiLoCo", "ld_diloco"),
+        ("lightning_dist:ShardedDiLoCo(inner_steps=4, replicas=2)", "ld_sharded_diloco"),
+        ("lightning_dist:ElasticDiLoCo(inner_steps=4)", "ld_elastic_diloco"),
+        ("lightning_dist:FaultTolerantDiLoCo(inner_steps=4)", "ld_fault_tolerant_diloco"),
+        ("FaultTolerantDiLoCo", "ld_fault_tolerant_diloco"),
+        ("lightning_dist:Sharded(compression='int8')", "ld_sharded_int8"),
+        ("lightning_dist:FaultTolerant(compressor='int8')", "ld_fault_tolerant_int8"),
+    ],
+)
+def test_a_class_launches_as_its_registered_name(spec: str, name: str) -> None:
+    """``lightning_dist:Class(...)`` starts its ranks as the class's ``ld_`` names do (the DiLoCo
+    family's classes were refused: the class table missed them)."""
+    by_class, by_name = resolve_strategy(spec), resolve_strategy(name)
+    assert (by_class.family, by_class.adasum, by_class.one_process) == (
+        by_name.family,
+        by_name.adasum,
+        by_name.one_process,
+    )
+    devices = 1 if by_name.one_process else 2
+    ours, theirs = (SlurmJob(TRAIN, nodes=2, devices=devices, strategy=s) for s in (spec, name))
+    assert ours.launch == theirs.launch
+    tail = f"--strategy {spec if ':' in spec else 'lightning_dist:' + spec}"
+    assert tail in " ".join(ours.command), ours.command  # the package's trainer gets the class spec
+
+
+def test_every_strategy_class_is_launched_or_refused_with_the_reason() -> None:
+    """Each of the pack's strategy classes is accepted, or refused saying why (never "not a strategy
+    lightning-dist can launch"), the same as its registered names."""
+    from lightning_dist.strategies import STRATEGIES
+
+    for cls in STRATEGIES:
+        try:
+            resolve_strategy(f"lightning_dist:{cls}()")
+        except ValueError as err:
+            assert "is refused under SLURM" in str(err), (cls, err)
+    accepted = slurm.accepted_strategies()
+    assert {"DiLoCo", "ShardedDiLoCo", "ElasticDiLoCo", "FaultTolerantDiLoCo"} <= set(accepted)
+
+
+@pytest.mark.parametrize("spec", ["ld_horovod_elastic", "HorovodElastic", "lightning_dist:HorovodElastic()"])
+def test_horovod_elastic_is_refused_with_how_to_run_it(spec: str) -> None:
+    """HorovodElastic needs horovodrun's elastic driver: under the torchrun script its name used to
+    get, every process was Horovod's rank 0 of 1 and trained alone."""
+    with pytest.raises(ValueError, match=r"is refused under SLURM: .*horovodrun.*ld_elastic"):
+        SlurmJob(TRAIN, nodes=2, devices=2, strategy=spec)
+
+
+# -- a training command of the user's own --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "trainer"),
+    [
+        (
+            dict(nodes=2, devices=4, accelerator="gpu"),
+            "strategy='ld_ddp', devices=4, num_nodes=2, accelerator='gpu'",
+        ),
+        (
+            dict(nodes=2, devices=4, strategy="ld_horovod", mpi="mpirun"),
+            "strategy='ld_horovod', devices=1, accelerator='cpu'",
+        ),
+        (
+            dict(devices=2, strategy="lightning_dist:DiLoCo(inner_steps=8)"),
+            "strategy=DiLoCo(inner_steps=8), devices=2, num_nodes=1, accelerator='cpu'",
+        ),
+        (dict(devices=2, strategy="Elastic"), "strategy=Elastic(), devices=2, accelerator='cpu'"),
+    ],
+)
+def test_a_command_of_ones_own_is_told_what_its_trainer_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kwargs: dict, trainer: str
+) -> None:
+    """A training command that is not the package's trainer is run as it is: the script (a comment)
+    and the command's output say so and what its Trainer must be given; the package's trainer gets no
+    such note (its flags are filled in)."""
+    job = SlurmJob(["python", "my_train.py"], **kwargs)
+    assert job.command == ["python", "my_train.py"]
+    note = f"its Trainer needs {trainer}"
+    script = job.render()
+    comments = " ".join(line.removeprefix("# ") for line in script.splitlines() if line.startswith("# "))
+    assert "not the package's trainer" in comments and note in comments, script
+    assert "--trainer-flags always" in comments
+    assert note not in SlurmJob(TRAIN, **kwargs).render()
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in kwargs.items()]
+    path = tmp_path / "job.sbatch"
+    assert main(["slurm", *options, "--script", str(path), "--", "python", "my_train.py"]) == 0
+    out = capsys.readouterr().out
+    assert "not the package's trainer" in out and note in out, out
+    assert main(["slurm", *options, "--script", str(path), "--", *TRAIN]) == 0
+    assert note not in capsys.readouterr().out
+
+
+def test_never_leaves_the_command_and_says_so() -> None:
+    script = SlurmJob(TRAIN, devices=2, trainer_flags="never").render()
+    comments = " ".join(line.removeprefix("# ") for line in script.splitlines() if line.startswith("# "))
+    assert "left as it is (--trainer-flags never)" in comments
+    assert "its Trainer needs strategy='ld_ddp', devices=2, num_nodes=1, accelerator='cpu'" in comments
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cpus", "srun_cpus"),
+    [
+        (dict(devices=4, accelerator="gpu"), "8", "8"),  # the default for a GPU task
+        (dict(devices=4, accelerator="gpu", cpus_per_task=16), "16", "16"),
+        (dict(devices=4, gres="gpu:a100:4", cpus_per_task=2), "2", "2"),
+        (dict(devices=4, accelerator="gpu", strategy="ld_elastic"), "32", "32"),  # one torchrun: 4 x 8
+        (dict(devices=2, cpus_per_task=3), "3", "3"),
+        (dict(devices=2), None, None),  # CPU ranks: SLURM's default, as before
+        (dict(devices=4, accelerator="gpu", strategy="ld_horovod", mpi="mpirun"), "8", None),
+    ],
+)
+def test_gpu_tasks_get_cpus_for_their_dataloader_workers(
+    kwargs: dict, cpus: str | None, srun_cpus: str | None
+) -> None:
+    """A GPU task gets 8 CPUs unless -c/--cpus-per-task says otherwise, and srun is told too (since
+    SLURM 22.05 srun does not inherit sbatch's --cpus-per-task: SRUN_CPUS_PER_TASK)."""
+    script = SlurmJob(CMD, nodes=2, **kwargs).render()
+    assert [h for h in sbatch_lines(script) if h.startswith("--cpus-per-task")] == (
+        [f"--cpus-per-task={cpus}"] if cpus else []
+    )
+    exported = [line for line in script.splitlines() if line.startswith("export SRUN_CPUS_PER_TASK=")]
+    assert exported == ([f"export SRUN_CPUS_PER_TASK={srun_cpus}"] if srun_cpus else [])
+
+
+def test_cli_cpus_per_task_help_names_the_gpu_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["slurm", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "-c CPUS_PER_TASK, --cpus-per-task CPUS_PER_TASK" in text
+    assert "default 8 per GPU task" in text

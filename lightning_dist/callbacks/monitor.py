@@ -1,7 +1,8 @@
 """Per-step monitoring: step time, bytes on the wire, comm time and its share, compression ratio,
 throughput and scaling efficiency, from the counters of the strategy's communicator
 (``trainer.strategy.communicator.stats``: every strategy of the pack, Horovod's included, counts
-there; a strategy without one reads as no communication)."""
+there; a strategy without one, such as Lightning's own ``"ddp"``, reads as no communication, and on
+more than one process CommMonitor warns once that it cannot see it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from typing_extensions import override
 
 from lightning_dist.compression.wire import ring_all_reduce_bytes
+from lightning_dist.warn import warn_once
 
 
 def _counters(trainer: L.Trainer) -> dict[str, float]:
@@ -161,6 +163,7 @@ class CommMonitor(L.Callback):
         self._base: dict[str, float] = {}
         self._step_before = 0
         self._pending = self._empty()
+        self._warned_unmeasured = False
 
     @staticmethod
     def _empty() -> dict[str, float]:
@@ -178,6 +181,23 @@ class CommMonitor(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.gradient_numel = self._trainable_numel(pl_module)
         self._pending = self._empty()
+        if trainer.world_size > 1 and getattr(trainer.strategy, "communicator", None) is None:
+            self._warn_unmeasured(trainer)
+
+    def _warn_unmeasured(self, trainer: L.Trainer) -> None:
+        """Once per monitor: this strategy's collectives are not counted, so comm/* read 0."""
+        if self._warned_unmeasured:
+            return
+        self._warned_unmeasured = True
+        name = type(trainer.strategy).__name__
+        warn_once(
+            f"CommMonitor: {name} does not count its communication, so {BYTES_SENT}, {BYTES_RECEIVED}, "
+            f"{COMM_SECONDS}, {COMM_SHARE} and {COMPRESSION_RATIO} read 0 under it; CommMonitor measures the "
+            "collectives of lightning_dist's strategies (listed by `lightning-dist strategies`; for Lightning's "
+            'strategy="ddp" use strategy="ld_ddp" or lightning_dist.DDP(), the same training). Step time and '
+            "throughput are measured under any strategy",
+            stacklevel=3,
+        )
 
     @staticmethod
     def _trainable_numel(pl_module: L.LightningModule) -> int:

@@ -41,7 +41,8 @@ class PowerSGDConfig:
     rank: int = 4
     """Rank r of the approximation (clamped to each matrix's smaller side)."""
     start_step: int = 0
-    """Exchanges per key that use a plain all-reduce before compression starts."""
+    """Exchanges per key that use a plain all-reduce before compression starts (``Compressed``'s
+    ``warmup`` counts optimizer steps instead, and is 10% of them by default)."""
     min_compression_rate: float = 2.0
     """Compress a matrix only if rows*cols >= rate * (rows+cols)*r; 0 compresses every matrix."""
     error_feedback: bool = True
@@ -118,6 +119,9 @@ class PowerSGD(Compressor):
     config: PowerSGDConfig
     aggregation = "allreduce"
     per_tensor = True
+    warmup_fraction = 0.1
+    """torch's guidance for its PowerSGD hook (``PowerSGDState.start_powerSGD_iter``): start with an
+    uncompressed 10% of training, as early steps are the most sensitive to inaccurate gradients."""
 
     def plan(self, shapes: Sequence[Shape]) -> _Plan:
         """Which tensors are compressed, grouped by matrix shape, and which are sent as they are."""

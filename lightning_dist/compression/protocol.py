@@ -215,6 +215,9 @@ class Compressor(ABC):
     per_tensor: ClassVar[bool] = False
     """Whether it needs each parameter's gradient with its shape (``bucket.gradients()``); when
     False the flat bucket (``[bucket.buffer()]``) is the cheaper input, with the same result."""
+    warmup_fraction: ClassVar[float] = 0.0
+    """The share of training that ``Compressed(warmup="auto")`` runs uncompressed before this
+    compressor starts (0: from the first step)."""
 
     config: Any
 

@@ -3,12 +3,12 @@
 One script per job: N nodes x G devices, a strategy name (which decides how the ranks start) and the
 training command. What each strategy family gets:
 
-- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, ``ld_sharded*``, ``Sharded``,
-  Lightning's ``ddp``):
+- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, ``ld_diloco*``, ``DiLoCo``,
+  ``ld_sharded*``, ``Sharded``, ``ShardedDiLoCo``, Lightning's ``ddp``):
   ``srun --ntasks-per-node=G``: one task per device, Lightning's ``SLURMEnvironment`` reads the ranks.
 - Horovod (``horovod*``, ``Horovod``, ``horovod_adasum``, ``HorovodAdasum``): one MPI job of N x G
   ranks: ``srun --mpi=pmix`` when SLURM has the PMIx plugin, otherwise ``mpirun`` over the job's nodes.
-- Elastic (``elastic``, ``Elastic``): one ``torchrun`` per node, c10d rendezvous on the first node,
+- Elastic (``ld_elastic*``, ``Elastic``, ``ElasticDiLoCo``): one ``torchrun`` per node, c10d rendezvous on the first node,
   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torch's shared rendezvous store loses the round when a
   node leaves and joins again).
 - FaultTolerant (``ld_fault_tolerant*``, ``FaultTolerant``): torchft's Lighthouse in the batch shell
@@ -16,6 +16,10 @@ training command. What each strategy family gets:
   --group $SLURM_NODEID``: a warm standby and its torchrun of ``--devices`` processes,
   ``--nproc-per-group``; ``FaultTolerantDiLoCo``: 1); a group that dies is restarted by its torchrun
   while the others train on.
+- ``HorovodElastic`` (``ld_horovod_elastic``) is refused: it needs horovodrun's elastic driver.
+
+A class is launched as its registered names are (``_classify``): ``--strategy DiLoCo`` or
+``lightning_dist:DiLoCo(inner_steps=8)`` as ``ld_diloco``.
 
 Requeue (default): ``#SBATCH --requeue`` and a signal ``--signal-seconds`` before the time limit.
 For the DDP and Horovod families SLURM sends SIGUSR1 to every task: Lightning's ``SLURMEnvironment``
@@ -48,8 +52,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -57,17 +61,6 @@ from typing_extensions import override
 
 FAMILIES = ("ddp", "horovod", "elastic", "fault_tolerant")
 MPI_LAUNCHES = ("auto", "pmix", "pmi2", "mpirun")
-CLASS_FAMILIES = {
-    "DDP": ("ddp", False),
-    "Compressed": ("ddp", False),
-    "Elastic": ("elastic", False),
-    "ElasticDiLoCo": ("elastic", False),
-    "FaultTolerant": ("fault_tolerant", False),
-    "Horovod": ("horovod", False),
-    "HorovodAdasum": ("horovod", True),
-    "Sharded": ("ddp", False),
-}
-"""lightning_dist's strategy classes (``--strategy DDP`` or ``lightning_dist:DDP(...)``)."""
 FORK_START_METHODS = ("spawn", "fork", "forkserver")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _NAME = re.compile(r"^[A-Za-z0-9_.,:@%+=-]+$")
@@ -94,6 +87,9 @@ MAIL_TYPES = (
     "TIME_LIMIT_50",
     "ARRAY_TASKS",
 )
+GPU_CPUS_PER_TASK = 8
+"""``--cpus-per-task`` of a GPU task when none is given: cores for its dataloader workers (SLURM's own
+default is 1, which a Lightning job's ``num_workers`` would share)."""
 TRAINER_FLAG_MODES = ("auto", "always", "never")
 TRAINER_FLAGS = ("--strategy", "--devices", "--accelerator", "--num-nodes")
 """The training command's flags that follow from the job (``--trainer-flags``)."""
@@ -160,47 +156,78 @@ class StrategyKind:
     """One process per replica group (``FaultTolerantDiLoCo``): ``--devices 1`` only."""
 
 
-def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
-    """Accepted registered names, and refused ones with the reason."""
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+HOROVOD_ELASTIC_REFUSED = (
+    "HorovodElastic runs under horovodrun's elastic driver (horovodrun --min-np/--max-np "
+    "--host-discovery-script, docs/horovod-elastic.md), which this script does not start: under srun, "
+    "mpirun or torchrun every process would be Horovod's rank 0 of 1 and train alone; for elastic "
+    "training under SLURM use ld_elastic (torchrun: restarts and world-size changes), or run horovodrun "
+    "in an sbatch script of your own"
+)
 
-    import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
-    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, Sharded
+
+def _classify(cls: type, params: Mapping[str, Any]) -> Union[StrategyKind, str, None]:
+    """How a strategy class starts its ranks under SLURM (``name`` left empty), the reason it is
+    refused, or None for a strategy outside the pack and Lightning's DDP (DeepSpeed, XLA ...)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_dist.strategies import ElasticMixin, Horovod, HorovodAdasum, HorovodElastic, Sharded
     from lightning_dist.strategies.fault_tolerant import FaultTolerant
     from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo
+
+    if issubclass(cls, HorovodElastic):
+        return HOROVOD_ELASTIC_REFUSED
+    if issubclass(cls, ElasticMixin):
+        return StrategyKind("", "elastic")
+    if issubclass(cls, FaultTolerant):
+        return StrategyKind("", "fault_tolerant", one_process=issubclass(cls, FaultTolerantDiLoCo))
+    if issubclass(cls, HorovodAdasum):
+        return StrategyKind("", "horovod", adasum=True)
+    if issubclass(cls, Horovod):
+        return StrategyKind("", "horovod")
+    if issubclass(cls, Sharded):
+        return StrategyKind("", "ddp")  # one task per device, like DDP
+    if cls is DDPStrategy or (issubclass(cls, DDPStrategy) and cls.__module__.startswith("lightning_dist.")):
+        # Lightning's own ddp and lightning_dist's DDP/Compressed/DiLoCo (not DeepSpeed/XLA, DDP subclasses too)
+        start = params.get("start_method", "popen")
+        if start in FORK_START_METHODS:
+            return (
+                f"it starts its own processes (start_method={start!r}), but under SLURM srun starts "
+                "one task per device; use 'ld_ddp' (or 'ddp' for Lightning's own)"
+            )
+        return StrategyKind("", "ddp")
+    return None
+
+
+def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
+    """Accepted registered names, and refused ones with the reason."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
     from lightning_dist.strategies.registry import resolve
 
     kinds: dict[str, StrategyKind] = {}
     refused: dict[str, str] = {}
     for name in StrategyRegistry.available_strategies():
         cls, params = resolve(StrategyRegistry, name)
-        if not isinstance(cls, type):
-            continue
-        if issubclass(cls, ElasticMixin):
-            kinds[name] = StrategyKind(name, "elastic")
-        elif issubclass(cls, FaultTolerant):
-            kinds[name] = StrategyKind(
-                name, "fault_tolerant", one_process=issubclass(cls, FaultTolerantDiLoCo)
-            )
-        elif issubclass(cls, HorovodAdasum):
-            kinds[name] = StrategyKind(name, "horovod", adasum=True)
-        elif issubclass(cls, Horovod):
-            kinds[name] = StrategyKind(name, "horovod")
-        elif issubclass(cls, Sharded):
-            kinds[name] = StrategyKind(name, "ddp")  # one task per device, like DDP
-        elif cls is DDPStrategy or (
-            issubclass(cls, DDPStrategy) and cls.__module__.startswith("lightning_dist.")
-        ):
-            # Lightning's own ddp and lightning_dist's DDP/Compressed (not DeepSpeed/XLA, DDP subclasses too)
-            start = params.get("start_method", "popen")
-            if start in FORK_START_METHODS:
-                refused[name] = (
-                    f"it starts its own processes (start_method={start!r}), but under SLURM srun starts "
-                    "one task per device; use 'ld_ddp' (or 'ddp' for Lightning's own)"
-                )
-            else:
-                kinds[name] = StrategyKind(name, "ddp")
+        kind = _classify(cls, params) if isinstance(cls, type) else None
+        if isinstance(kind, str):
+            refused[name] = kind
+        elif kind is not None:
+            kinds[name] = replace(kind, name=name)
     return kinds, refused
+
+
+def class_kinds() -> dict[str, Union[StrategyKind, str]]:
+    """lightning_dist's strategy classes (``--strategy DDP`` or ``lightning_dist:DDP(...)``): how each
+    starts its ranks, or why it is refused."""
+    import lightning_dist.strategies as strategies
+
+    out: dict[str, Union[StrategyKind, str]] = {}
+    for name in strategies.STRATEGIES:
+        kind = _classify(getattr(strategies, name), {})
+        if kind is not None:
+            out[name] = kind
+    return out
 
 
 def accepted_strategies() -> list[str]:
@@ -213,7 +240,8 @@ def _ordered(kinds: dict[str, StrategyKind]) -> list[str]:
     """Registered names by family (DDP, Horovod, Elastic), then the class names."""
     order = {family: i for i, family in enumerate(FAMILIES)}
     names = sorted(kinds, key=lambda n: (order[kinds[n].family], not n.startswith(("ld_", "compressed_")), n))
-    return names + sorted(CLASS_FAMILIES, key=lambda c: (order[CLASS_FAMILIES[c][0]], c))
+    classes = {c: k for c, k in class_kinds().items() if isinstance(k, StrategyKind)}
+    return names + sorted(classes, key=lambda c: (order[classes[c].family], c))
 
 
 def resolve_strategy(spec: str) -> StrategyKind:
@@ -235,8 +263,10 @@ def resolve_strategy(spec: str) -> StrategyKind:
             class_name = ""
         if module.split(".")[0] != "lightning_dist":
             class_name = ""
-    if class_name in CLASS_FAMILIES:
-        family, adasum = CLASS_FAMILIES[class_name]
+    kind = class_kinds().get(class_name)
+    if isinstance(kind, str):
+        raise ValueError(f"--strategy {spec!r} is refused under SLURM: {kind}")
+    if kind is not None:
         if kwargs.get("start_method") in FORK_START_METHODS:
             raise ValueError(
                 f"--strategy {spec!r}: start_method={kwargs['start_method']!r} starts its own processes, "
@@ -247,7 +277,7 @@ def resolve_strategy(spec: str) -> StrategyKind:
                 f"--strategy {spec!r}: Horovod(op='adasum') is not a strategy; use "
                 "'lightning_dist:HorovodAdasum()' (or the name ld_horovod_adasum) for Horovod's Adasum"
             )
-        return StrategyKind(spec, family, adasum)
+        return replace(kind, name=spec)
     accepted = ", ".join(_ordered(kinds))
     raise ValueError(
         f"--strategy {spec!r} is not a strategy lightning-dist can launch; accepted: {accepted} "
@@ -340,7 +370,7 @@ def command_flags(command: Sequence[str]) -> dict[str, str]:
 
 def _trainer_strategy(spec: str) -> str:
     """``--strategy`` as the package's trainer takes it: a class name is ``lightning_dist:Class``."""
-    return f"lightning_dist:{spec}" if spec in CLASS_FAMILIES else spec
+    return f"lightning_dist:{spec}" if spec in class_kinds() else spec
 
 
 def _same_strategy(a: str, b: str) -> bool:
@@ -401,7 +431,8 @@ class SlurmJob:
     output: str = "%x-%j.out"
     """Output file (SLURM's patterns); appended to across requeues."""
     cpus_per_task: Optional[int] = None
-    """CPUs per rank (Elastic's one task per node gets ``devices`` times this)."""
+    """CPUs per rank (Elastic's one task per node gets ``devices`` times this); None: ``GPU_CPUS_PER_TASK``
+    on GPUs, SLURM's default (1) on CPUs."""
     gpus_per_node: int = 0
     """GPUs per node (0: none, or ``devices`` with ``accelerator="gpu"``); every task of a node sees all
     of them."""
@@ -449,6 +480,8 @@ class SlurmJob:
     """``auto``: fill in and check the training command's ``TRAINER_FLAGS`` when it runs the package's
     trainer; ``always``: for any command (it takes those flags as the package's trainer does);
     ``never``: leave the command as it is."""
+    fills_trainer_flags: bool = field(init=False)
+    """Whether ``command`` got the job's ``TRAINER_FLAGS`` (the package's trainer, or ``always``)."""
     kind: StrategyKind = field(init=False)
     launch: str = field(init=False)
     """``srun``, ``srun-pmix``, ``srun-pmi2``, ``mpirun`` or ``torchrun``."""
@@ -560,9 +593,12 @@ class SlurmJob:
             raise ValueError(
                 f"--trainer-flags={self.trainer_flags!r}; accepted: {', '.join(TRAINER_FLAG_MODES)}"
             )
-        if self.trainer_flags == "always" or (
+        if self.cpus_per_task is None and self.accelerator == "gpu":
+            self.cpus_per_task = GPU_CPUS_PER_TASK
+        self.fills_trainer_flags = self.trainer_flags == "always" or (
             self.trainer_flags == "auto" and runs_workload_trainer(self.command)
-        ):
+        )
+        if self.fills_trainer_flags:
             self.command = self._with_trainer_flags()
 
     def _check_sbatch_options(self) -> None:
@@ -614,21 +650,58 @@ class SlurmJob:
             self.gpus_per_node = gpus = self.devices
         return gpus
 
+    def _wanted_flags(self) -> dict[str, str]:
+        """The ``TRAINER_FLAGS`` values that follow from the job."""
+        one_per_rank = self.kind.family in ("horovod", "fault_tolerant")
+        return {
+            "--strategy": _trainer_strategy(self.strategy),
+            "--devices": "1" if one_per_rank else str(self.devices),
+            "--accelerator": str(self.accelerator),
+            "--num-nodes": str(self.nodes),
+        }
+
+    def _added_flag(self, flag: str) -> bool:
+        """Whether ``flag`` is appended when the command leaves it out: Horovod and Elastic take the
+        node count from MPI / the rendezvous (checked, not added)."""
+        return flag != "--num-nodes" or self.kind.family == "ddp"
+
+    def trainer_needs(self) -> str:
+        """The Trainer arguments the job's ranks need, as Python (``strategy='ld_ddp', devices=4, ...``)."""
+        spec = _trainer_strategy(self.strategy)
+        if spec.startswith("lightning_dist:"):
+            expr = spec.partition(":")[2]
+            strategy = expr if expr.endswith(")") else expr + "()"
+        else:
+            strategy = repr(spec)
+        wanted = self._wanted_flags()
+        parts = [f"strategy={strategy}", f"devices={wanted['--devices']}"]
+        if self._added_flag("--num-nodes"):
+            parts.append(f"num_nodes={wanted['--num-nodes']}")
+        parts.append(f"accelerator={wanted['--accelerator']!r}")
+        return ", ".join(parts)
+
+    def unfilled_note(self) -> Optional[str]:
+        """What a command that did not get the job's flags must do itself (None when it got them)."""
+        if self.fills_trainer_flags:
+            return None
+        why = (
+            "is not the package's trainer, so it is left as it is (--trainer-flags auto)"
+            if self.trainer_flags == "auto"
+            else "is left as it is (--trainer-flags never)"
+        )
+        return (
+            f"the training command {why}: its Trainer needs {self.trainer_needs()} (given in the script, "
+            "or as flags it reads; --trainer-flags always appends --strategy/--devices/--accelerator/--num-nodes "
+            "to a command that takes them as examples/train.py does)"
+        )
+
     def _with_trainer_flags(self) -> list[str]:
         """The command with the ``TRAINER_FLAGS`` it leaves out appended; one it gives must agree."""
         given = command_flags(self.command)
         horovod = self.kind.family == "horovod"
-        devices = "1" if horovod or self.kind.family == "fault_tolerant" else str(self.devices)
-        wanted = {
-            "--strategy": _trainer_strategy(self.strategy),
-            "--devices": devices,
-            "--accelerator": str(self.accelerator),
-            "--num-nodes": str(self.nodes),
-        }
-        # Horovod and Elastic take the node count from MPI / the rendezvous: checked, not added
-        fill = [
-            f for f in TRAINER_FLAGS if f not in given and (f != "--num-nodes" or self.kind.family == "ddp")
-        ]
+        wanted = self._wanted_flags()
+        devices = wanted["--devices"]
+        fill = [f for f in TRAINER_FLAGS if f not in given and self._added_flag(f)]
         fix = "drop it from the training command (it is filled in from the job) or give the same value"
         for flag, value in given.items():
             if flag == "--strategy" and not _same_strategy(value, self.strategy):
@@ -676,6 +749,13 @@ class SlurmJob:
     def ranks(self) -> int:
         return self.nodes * self.devices
 
+    @property
+    def task_cpus(self) -> Optional[int]:
+        """``--cpus-per-task`` of a SLURM task: a rank's, or (one agent per node) ``devices`` ranks'."""
+        if self.launch in ("torchrun", "fault_tolerant"):
+            return self.devices * (self.cpus_per_task or 1)
+        return self.cpus_per_task
+
     def _batch_signal(self) -> bool:
         """The batch shell takes the signal (Elastic, FaultTolerant: requeue; mpirun: forward it)."""
         return self.launch in ("torchrun", "fault_tolerant", "mpirun")
@@ -687,10 +767,8 @@ class SlurmJob:
             f"--nodes={self.nodes}",
             f"--ntasks-per-node={1 if elastic else self.devices}",
         ]
-        if elastic:
-            lines.append(f"--cpus-per-task={self.devices * (self.cpus_per_task or 1)}")
-        elif self.cpus_per_task is not None:
-            lines.append(f"--cpus-per-task={self.cpus_per_task}")
+        if self.task_cpus is not None:
+            lines.append(f"--cpus-per-task={self.task_cpus}")
         if self.gpus_per_node:
             lines.append(f"--gpus-per-node={self.gpus_per_node}")
         for name in ("gres", "partition", "account", "qos", "constraint", "time", "mem", "chdir"):
@@ -812,6 +890,10 @@ class SlurmJob:
             f"({family} family), {self.nodes} node(s) x {self.devices} device(s) = {self.ranks} rank(s).",
             f"# {how}.",
             "# Submit: sbatch <this file>",
+            *(
+                f"# Note: {line}" if i == 0 else f"# {line}"
+                for i, line in enumerate(_wrap(self.unfilled_note()))
+            ),
             *self.header(),
             "set -euo pipefail",
             'echo "lightning-dist: job ${SLURM_JOB_ID} run ${SLURM_RESTART_COUNT:-0} on ${SLURM_JOB_NODELIST}"',
@@ -858,6 +940,11 @@ class SlurmJob:
             ]
         if self.launch == "fault_tolerant":
             lines += self._lighthouse_lines()
+        if self.task_cpus is not None and self.launch != "mpirun":
+            lines += [
+                "# srun (SLURM >= 22.05) does not inherit sbatch's --cpus-per-task: give it to each task",
+                f"export SRUN_CPUS_PER_TASK={self.task_cpus}",
+            ]
         launch = words(self.launch_command())
         if not (self.requeue and self._batch_signal()):
             lines.append(launch)
@@ -889,6 +976,13 @@ class SlurmJob:
             'exit "$rc"',
         ]
         return "\n".join(lines) + "\n"
+
+
+def _wrap(text: Optional[str], width: int = 98) -> list[str]:
+    """``text`` as comment lines of at most ``width`` characters (none for None)."""
+    import textwrap
+
+    return textwrap.wrap(text, width) if text else []
 
 
 def write_script(job: SlurmJob, path: str | os.PathLike[str]) -> Path:
@@ -928,7 +1022,10 @@ and one replica group per node (--devices 1).
 Say things once (--trainer-flags): when TRAINING_COMMAND runs the package's trainer
 (examples/train.py, python -m lightning_dist.workload.train), the --strategy, --devices,
 --accelerator and (DDP family) --num-nodes it leaves out are appended from these options, and these
-options, when not given, are taken from it; a value given on both sides must agree.
+options, when not given, are taken from it; a value given on both sides must agree. Any other
+command is run as it is, with a note (printed, and atop the script) of the Trainer arguments its
+ranks need. A GPU task gets --cpus-per-task 8 (its DataLoader workers need cores) unless -c says
+otherwise.
 With requeue (default) SIGUSR1 comes --signal-seconds before --time: Lightning saves an hpc
 checkpoint and requeues the job, which resumes from it; Elastic resumes from its commits.
 Bad combinations are refused before anything is written."""
@@ -1023,8 +1120,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--strategy",
         default=None,
-        help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_horovod, ld_horovod_adasum, ld_elastic, "
-        "ld_fault_tolerant, a class name (DDP, Compressed, Horovod, HorovodAdasum, Elastic, FaultTolerant), "
+        help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_diloco, ld_sharded, ld_horovod, "
+        "ld_horovod_adasum, ld_elastic, ld_fault_tolerant (`lightning-dist strategies` lists them all), a class "
+        "name (DDP, Compressed, DiLoCo, Sharded, ShardedDiLoCo, Horovod, HorovodAdasum, Elastic, ElasticDiLoCo, "
+        "FaultTolerant, FaultTolerantDiLoCo), "
         "'lightning_dist:Class(kw=...)' or "
         "Lightning's ddp; decides how the ranks start; "
         + from_command.format(flag="--strategy", default="ld_ddp"),
@@ -1062,7 +1161,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "--cpus-per-task",
         type=int,
         default=None,
-        help="CPUs per rank (Elastic: per worker); default SLURM's (1)",
+        help=f"CPUs per rank (Elastic: per worker), for its dataloader workers; default {GPU_CPUS_PER_TASK} per "
+        "GPU task (with --accelerator gpu), SLURM's (1) for CPU ranks",
     )
     p.add_argument(
         "--gpus-per-node",
@@ -1237,6 +1337,9 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     print(f"wrote {path} ({job.launch}, {job.nodes} x {job.devices} = {job.ranks} ranks)")
     if job.command != command:
         print(f"training command, flags filled in from the job: {shlex.join(job.command)}")
+    note = job.unfilled_note()
+    if note is not None:
+        print(f"note: {note}")
     if not args.submit:
         print(f"submit with: sbatch {shlex.quote(str(path))}")
         return 0

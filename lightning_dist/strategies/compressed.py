@@ -4,6 +4,9 @@
     L.Trainer(strategy=Compressed("fp16", reduce_op="adasum"))
     L.Trainer(strategy="compressed_int8")
 
+PowerSGD starts after an uncompressed warm-up (``warmup="auto"``: the first 10% of the Trainer's
+steps, as torch advises for its PowerSGD hook; ``warmup=0`` compresses from the first step).
+
 Compressor state (error-feedback residuals, warm-start factors, momentum, step counters) differs per
 rank; checkpoints hold every rank's copy and the bucket layout it belongs to, and a resumed run
 loads its own rank's entry, so it continues as if never stopped. DDP's first backward pass uses one
@@ -15,9 +18,11 @@ and one resumed at another world size merges the saved ranks' states (with a war
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional, Union
 
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -32,6 +37,8 @@ from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)
 
+AUTO_WARMUP_UNBOUNDED = 1000
+"""``warmup="auto"``'s steps for a run without an end (torch's default ``start_powerSGD_iter``)."""
 CHECKPOINT_KEY = "lightning_dist.compressed"
 COMPRESSOR_STATES = RankStates(CHECKPOINT_KEY, "Compressed", "the checkpoint has no compressor state")
 """Checkpoint entry: ``{"world_size": W, "compressor": name, "ranks": [rank r's
@@ -76,6 +83,13 @@ class Compressed(RankStateMixin, DDP):
         log_stats: log ``compression/bytes_per_step`` (bytes this rank sent for the gradients, from
             its communicator's counters) and ``compression/ratio`` (those bytes over a ring all-reduce of
             the fp32 gradients) at every optimizer step.
+        warmup: optimizer steps whose gradients are averaged uncompressed (exactly as ``DDP()``)
+            before the compressor starts; ``"auto"`` (default): the compressor's ``warmup_fraction``
+            of the Trainer's ``estimated_stepping_batches``, rounded up (PowerSGD: 10%, torch's
+            guidance for its PowerSGD hook; the other compressors: 0), or ``AUTO_WARMUP_UNBOUNDED``
+            steps for a run with no end, and 0 when the compressor has a warm-up of its own
+            (PowerSGD's ``start_step``); ``0`` compresses from the first step. Counted from
+            ``trainer.global_step``, so a resumed run goes on where it stopped.
         **options: the compressor's options (``rank=4``) and ``DDP``'s (``bucket_cap_mb``, ``start_method`` ...).
     """
 
@@ -87,8 +101,19 @@ class Compressed(RankStateMixin, DDP):
         *,
         reduce_op: str = "avg",
         log_stats: bool = True,
+        warmup: Union[int, str] = "auto",
         **options: Any,
     ) -> None:
+        if warmup != "auto" and not (
+            isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 0
+        ):
+            raise ValueError(
+                f"warmup={warmup!r} is not supported; accepted: 'auto' or an integer >= 0 (optimizer steps "
+                "averaged uncompressed before the compressor starts; 0: compress from the first step)"
+            )
+        self.warmup = warmup
+        self.warmup_steps: Optional[int] = None
+        """The warm-up in optimizer steps (``warmup`` with ``"auto"`` resolved at the first backward)."""
         ddp_names = set(DDP._accepted_options())
         ddp_options = {k: v for k, v in options.items() if k in ddp_names}
         self.compressor = build_compressor(
@@ -115,6 +140,7 @@ class Compressed(RankStateMixin, DDP):
             "compressor",
             "reduce_op",
             "log_stats",
+            "warmup",
             *(o for o in DDP._accepted_options() if o != "reduce_op"),
         ]
 
@@ -133,9 +159,38 @@ class Compressed(RankStateMixin, DDP):
         super()._register_ddp_hooks()
         logger.debug("Compressed: %r on %d parameters", self.compressor, len(self.hook_state.param_index))
 
+    # -- warm-up ------------------------------------------------------------------------------------
+    def resolve_warmup(self, trainer: Any) -> int:
+        """``warmup`` in optimizer steps for ``trainer``'s run (see the class docstring)."""
+        if self.warmup != "auto":
+            return int(self.warmup)
+        fraction = self.compressor.warmup_fraction
+        if fraction <= 0 or getattr(self.compressor.config, "start_step", 0) > 0:
+            return 0
+        total = float(trainer.estimated_stepping_batches)
+        return AUTO_WARMUP_UNBOUNDED if math.isinf(total) else math.ceil(fraction * total)
+
+    def _set_warmup(self) -> None:
+        """Before a backward pass: whether this optimizer step's buckets go uncompressed."""
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)
+        if trainer is None:
+            self.hook_state.uncompressed = False
+            return
+        if self.warmup_steps is None:
+            self.warmup_steps = self.resolve_warmup(trainer)
+            if self.warmup_steps:
+                rank_zero_info(
+                    f"Compressed: the first {self.warmup_steps} optimizer steps average the gradients "
+                    f"uncompressed, then {self.compressor.name} starts (warmup={self.warmup!r}; warmup=0 "
+                    "compresses from the first step)"
+                )
+        self.hook_state.uncompressed = trainer.global_step < self.warmup_steps
+
     # -- accounting ---------------------------------------------------------------------------------
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Any], *args: Any, **kwargs: Any) -> Tensor:
+        self._set_warmup()
         stats = self._transport().stats
         before = stats.bytes_sent
         loss = super().backward(closure_loss, optimizer, *args, **kwargs)

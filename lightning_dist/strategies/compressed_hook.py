@@ -7,7 +7,8 @@ one, and a bucket that arrives while an earlier one is in flight queues behind i
 
 State is kept per *key*: the bucket index of DDP's steady (rebuilt) bucket layout. The layout, as
 parameter indices per key, is recorded so a resumed run can split DDP's first, pre-rebuild bucket
-into the keys the checkpointed state belongs to.
+into the keys the checkpointed state belongs to. During the strategy's warm-up (``uncompressed``) a
+bucket is all-reduced as ``DDP()``'s hook does it, its layout recorded all the same.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as real types.
@@ -22,7 +23,7 @@ from torch.futures import Future
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import Compressor, Exchange, reference_bytes
-from lightning_dist.strategies.comm_hook import start_call
+from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook, start_call
 from lightning_dist.warn import warn_once
 
 Layout = dict[int, list[int]]
@@ -51,6 +52,9 @@ class CompressedHookState:
     """Key -> parameter indices, as the last complete backward pass used them."""
     planned: Optional[Layout] = None
     """A layout restored from a checkpoint: buckets are mapped (or split) onto its keys."""
+    uncompressed: bool = False
+    """Send this step's buckets as ``DDP()`` does (the strategy's warm-up): the compressor and its
+    state are not touched, the layout is recorded as for a compressed step."""
     calls: int = 0
     reference_bytes: int = 0
     """Bytes a ring all-reduce of the fp32 gradients would have sent (summed over hook calls)."""
@@ -128,9 +132,18 @@ def compressed_hook(
     data = _Bucket(bucket.buffer(), grads, flat=not compressor.per_tensor and not state.adasum)
     indices = [state.param_index.get(id(p), -1) for p in bucket.parameters()]
 
-    units: list[_Unit] = []
-    for key, positions in state.units(bucket.index(), indices):
+    keys = state.units(bucket.index(), indices)
+    for key, positions in keys:
         state._current[key] = [indices[p] for p in positions]
+    state.reference_bytes += reference_bytes([g.shape for g in grads], world_size)
+    if bucket.is_last():
+        state.layout, state._current = state._current, {}
+    if state.uncompressed:
+        plain = CollectivesHookState(reduce_op="adasum" if state.adasum else "avg", comm=comm)
+        return collectives_hook(plain, bucket)
+
+    units: list[_Unit] = []
+    for key, positions in keys:
         if state.adasum:
             exchanges = [
                 compressor.exchange(f"{key}.{j}", grads[p], world_size=world_size, rank=rank, adasum=True)
@@ -139,9 +152,6 @@ def compressed_hook(
         else:
             exchanges = [compressor.exchange(key, data.inputs(positions), world_size=world_size, rank=rank)]
         units.append(_Unit(key, positions, exchanges))
-    state.reference_bytes += reference_bytes([g.shape for g in grads], world_size)
-    if bucket.is_last():
-        state.layout, state._current = state._current, {}
 
     device = data.buffer.device
     finished: Future = Future(devices=[device] if device.type == "cuda" else None)

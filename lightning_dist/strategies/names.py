@@ -81,6 +81,9 @@ def _names() -> list[Name]:
             if compressor != "none"
             else "Compressed's path, no compression"
         )
+        if COMPRESSORS[compressor].warmup_fraction:
+            share = f"{COMPRESSORS[compressor].warmup_fraction:.0%}"
+            description += f", after an uncompressed warm-up ({share} of the steps: warmup='auto')"
         names.append(
             Name(
                 f"ld_compressed_{compressor}",

@@ -8,6 +8,7 @@ the same strategy and warn that they are deprecated.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +109,23 @@ def resolve(registry: Any, name: str) -> tuple[Any, dict[str, Any]]:
     if isinstance(target, LazyStrategy):
         target = target.load()
     return target, dict(entry.get("init_params", {}))
+
+
+def check_name(registry: Any, name: str) -> None:
+    """A ``ValueError`` for an ``ld_`` name ``registry`` does not hold, naming the pack's closest names
+    and ``lightning-dist strategies``; other names pass (Lightning judges them). For the pack's own
+    entry points: ``Trainer(strategy="ld_...")`` itself raises Lightning's message, which lists
+    Lightning's names only (it checks a list of the registry's keys, with no hook before it raises)."""
+    key = name.lower()
+    if not key.startswith(PREFIX) or key in registry:
+        return
+    ours = [n for n in pack_names(registry) if n.startswith(PREFIX)]
+    close = difflib.get_close_matches(key, ours, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ValueError(
+        f"strategy={name!r} is not a name lightning_dist registers{hint}; `lightning-dist strategies` "
+        "lists every ld_ name with what it builds"
+    )
 
 
 def pack_names(registry: Any) -> dict[str, str]:

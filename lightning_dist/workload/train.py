@@ -47,6 +47,13 @@ def build_strategy(spec: str) -> Any:
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
 
     if ":" not in spec:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        from lightning_dist.strategies.registry import check_name
+
+        check_name(
+            StrategyRegistry, spec
+        )  # an unknown ld_ name: its closest names, `lightning-dist strategies`
         return spec
     module_name, _, expr = spec.partition(":")
     try:

@@ -6,9 +6,11 @@ JSON is a list of runs; each has a ``name`` and any of: ``strategy`` ("DDP", or 
 for ``Compressed``), ``options`` (its keyword arguments), ``optimizer`` ("adamw", "sgd" = plain SGD,
 "sgd_momentum"), ``lr``, ``steps`` or ``epochs``, ``batches_per_epoch``, ``accumulate``, ``precision``,
 ``save`` (write a checkpoint here after fitting), ``resume`` (fit from this checkpoint),
+``snapshot_steps`` (also write the weights after these optimizer steps, ``<name>.step<s>.rank<r>.pt``),
 ``drop_compressor_state`` (remove it from the checkpoint before resuming), ``validate``,
 ``workload`` (``WorkloadConfig`` overrides of the tiny size).
-Each rank writes ``<name>.rank<r>.pt`` (final weights) and ``<name>.rank<r>.json``.
+Each rank writes ``<name>.rank<r>.pt`` (final weights) and ``<name>.rank<r>.json`` (with
+``step_bytes``: the gradient bytes it sent at each optimizer step, from ``last_step_stats``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,31 @@ class Model(TinyCausalLM):
         return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01)
 
 
+class StepRecord(L.Callback):
+    """The gradient bytes of every optimizer step, and the weights after the steps ``snapshots``."""
+
+    def __init__(self, out: str, name: str, snapshots: list[int]) -> None:
+        self.out, self.name, self.snapshots = out, name, snapshots
+        self.step_bytes: list[float] = []
+        self._before = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._before = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._before:
+            return  # accumulating
+        stats = getattr(trainer.strategy, "last_step_stats", {})
+        self.step_bytes.append(stats.get("bytes_per_step", float("nan")))
+        step = trainer.global_step
+        if step in self.snapshots:
+            weights = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+            path = os.path.join(self.out, f"{self.name}.step{step}.rank{trainer.global_rank}.pt")
+            torch.save(weights, path)
+
+
 def make_strategy(run: dict[str, Any]) -> Any:
     name = run.get("strategy", "DDP")
     if name == "DDP":
@@ -62,10 +89,12 @@ def fit(run: dict[str, Any], out: str) -> None:
         ),
     )
     strategy = make_strategy(run)
+    record = StepRecord(out, run["name"], run.get("snapshot_steps", []))
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
+        callbacks=[record],
         **trainer_length(run, default_steps=20),
         limit_val_batches=1.0,
         val_check_interval=None,
@@ -82,6 +111,8 @@ def fit(run: dict[str, Any], out: str) -> None:
         "logged_ratio": float(trainer.callback_metrics.get("compression/ratio", torch.tensor(float("nan")))),
         "hook_calls": getattr(getattr(trainer.strategy, "hook_state", None), "calls", None),
         "layout": {str(k): v for k, v in getattr(trainer.strategy.hook_state, "layout", {}).items()},
+        "step_bytes": record.step_bytes,
+        "warmup_steps": getattr(trainer.strategy, "warmup_steps", None),
     }
     if run.get("validate", True):
         info["val_loss"] = float(trainer.validate(model, verbose=False)[0]["val_loss"])

@@ -155,7 +155,9 @@ def fit(
         scale_lr=scale_lr,
     )
     strategy: Union[Elastic, ElasticDiLoCo] = (
-        ElasticDiLoCo(inner_steps=diloco, **common) if diloco else Elastic(reduce_op=reduce_op, **common)
+        ElasticDiLoCo(inner_steps=diloco, **common)
+        if diloco
+        else Elastic(reduce_op=reduce_op, warmup=0, **common)
     )
     trainer = quiet_trainer(
         accelerator=accelerator,

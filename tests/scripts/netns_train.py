@@ -35,7 +35,7 @@ def received_bytes(ifname: str | None) -> int | None:
 
 STRATEGIES = {
     "DDP": lambda: lightning_dist.DDP(),
-    "powersgd": lambda: lightning_dist.Compressed("powersgd"),
+    "powersgd": lambda: lightning_dist.Compressed("powersgd", warmup=0),
 }
 
 

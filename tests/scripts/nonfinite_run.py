@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.strategy == "ddp":
         strategy = lightning_dist.DDP(skip_nonfinite=True)
     elif a.strategy == "powersgd":
-        strategy = lightning_dist.Compressed("powersgd", skip_nonfinite=True)
+        strategy = lightning_dist.Compressed("powersgd", skip_nonfinite=True, warmup=0)
     else:  # skip_nonfinite is Elastic's default
         strategy = lightning_dist.Elastic(commit_every=2, dirpath=os.path.join(a.out, "commits"))
     L.seed_everything(7, verbose=False)

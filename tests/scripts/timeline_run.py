@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parse(p, argv)
     strategy = {
         "ddp": lambda: lightning_dist.DDP(),
-        "powersgd": lambda: lightning_dist.Compressed("powersgd"),
+        "powersgd": lambda: lightning_dist.Compressed("powersgd", warmup=0),
         "horovod": lambda: lightning_dist.Horovod(),
     }[a.strategy]()
     L.seed_everything(7, verbose=False)
