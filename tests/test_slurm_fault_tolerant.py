@@ -53,6 +53,7 @@ def test_rendered_fault_tolerant_job_runs_and_restarts_only_the_killed_group(tmp
         ["bash", str(job)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "[INFO] [torchft::lighthouse]" not in proc.stdout + proc.stderr, "the Lighthouse logs at INFO"
     for rank in (0, 1):
         assert [a for a, _ in ft.pids(out, 0, rank)] == [0], "the healthy group's process was restarted"
         assert [a for a, _ in ft.pids(out, 1, rank)] == [0, 1], (
