@@ -840,9 +840,10 @@ class SlurmJob:
             f"port={port}",
             "# torchft's Lighthouse (quorum of the replica groups), on the first node's address only; it and the",
             "# groups' servers are not authenticated: run on a trusted network (docs/live-recovery.md).",
-            "# Its logs are warnings only unless LD_FT_VERBOSE=1 (or RUST_LOG) is set.",
-            'RUST_LOG="${RUST_LOG:-$([ "${LD_FT_VERBOSE:-0}" = 1 ] && echo info || echo warn)}" \\',
-            '  torchft_lighthouse --bind "$lighthouse_addr:$port" --min_replicas 1 --join_timeout_ms 1000 '
+            "# torchft's logs (the Lighthouse's, the groups' servers') are warnings only unless LD_FT_VERBOSE=1",
+            "# (or your own RUST_LOG) is set.",
+            'export RUST_LOG="${RUST_LOG:-$([ "${LD_FT_VERBOSE:-0}" = 1 ] && echo info || echo warn)}"',
+            'torchft_lighthouse --bind "$lighthouse_addr:$port" --min_replicas 1 --join_timeout_ms 1000 '
             "--heartbeat_timeout_ms 5000 &",
             "lighthouse=$!",
             "trap 'kill \"$lighthouse\" 2>/dev/null || true' EXIT",
