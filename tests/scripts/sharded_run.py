@@ -12,7 +12,8 @@ of Linear layers, the default policy), ``optimizer`` ("adamw", "sgd"), ``lr``, `
 (fit from this checkpoint), ``record`` (keep every rank's batches and the initial weights).
 
 Rank 0 writes ``<name>.pt`` (the full final weights, gathered); every rank writes
-``<name>.rank<r>.json`` (bytes by op, loss, warnings) and with ``record`` ``<name>.rank<r>.batches.pt``.
+``<name>.rank<r>.json`` (bytes by op, loss, warnings, how many gradient collectives were left in
+flight) and with ``record`` ``<name>.rank<r>.batches.pt``.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "bytes_by_op": {op: s.bytes_sent for op, s in comm.stats.per_op.items()} if comm is not None else {},
         "warnings": [str(w.message) for w in caught if "Sharded" in str(w.message)],
         "fsdp_modules": len(getattr(trainer.strategy, "fsdp_modules", [])),
+        "deferred": getattr(getattr(trainer.strategy, "pending_gradients", None), "deferred", None),
         "seconds": time.perf_counter() - start,
     }
     if rank == 0:
