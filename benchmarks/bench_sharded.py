@@ -3,6 +3,8 @@
     python benchmarks/bench_sharded.py                                   # root: 2 nodes x 2 ranks, 1 Gbit/s, 100 Mbit/s
     python benchmarks/bench_sharded.py --rounds 1 --caps 1gbit 100mbit   # quick (the docs' table)
     python benchmarks/bench_sharded.py --same-host                       # no namespaces: 4 ranks on this host
+    python benchmarks/bench_sharded.py --rounds 5 --caps 1gbit none --rows fsdp2 sharded sharded_int8 hsdp_int8 \
+        --timeline /tmp/traces                                           # the targets, and one Timeline per row
 
 Four ranks: two emulated nodes (``lightning_dist.cluster.netns.EmulatedCluster``: network namespaces
 joined by a veth pair, ``tc tbf`` per direction for a cap) with two processes x 1 thread each; rank
@@ -26,6 +28,18 @@ nodes; read after a barrier at either end of the timed steps) and the pack's cou
 collective of rank 0, inside the node too); the loss on 4 fixed validation batches after training,
 against Lightning FSDP2's. ``--same-host`` runs the 4 ranks as plain processes on this machine (no caps:
 loopback), for where namespaces are not available.
+
+Where the time goes: rank 0's median forward (batch start to backward), backward (to the end of
+``loss.backward()``, every gradient collective landed) and the rest (optimizer step, gradient
+clipping, hooks) per step, and for the pack's rows the seconds per step during which at least one of
+its collectives was in flight (``CommStats.busy_seconds``: where it exceeds backward + forward
+communication overlapped compute). ``--timeline DIR`` also writes a Timeline (Chrome trace of every
+rank's step phases and the pack's collectives; Lightning FSDP2's collectives are torch's own and not
+in it) of each row's first-round run, ``DIR/<cap>.<row>.json``.
+
+Targets (``TARGETS``: a row's median step against Lightning FSDP2's at the same cap, in the same
+run): each is judged on the pooled medians and on the median of the per-round ratios (rows of one
+round run back to back, so a shared machine's drift cancels more in the latter).
 Writes OUT/sharded.md and OUT/sharded.json.
 """
 
@@ -65,6 +79,14 @@ ROWS: dict[str, Row] = {  # kind: "ddp", "fsdp2" (Lightning's ModelParallelStrat
 MEMORY_REFERENCE = "ddp"
 REFERENCE = "fsdp2"
 NODES, PER_NODE = 2, 2
+TARGETS: dict[tuple[str, Optional[float]], float] = {
+    ("sharded", 1000.0): 1.02,
+    ("sharded", None): 1.02,
+    ("sharded_int8", 1000.0): 1.0,
+    ("hsdp_int8", 1000.0): 1.0,
+}
+"""(row, cap in Mbit/s or None for no cap) -> the most its median step may be, as a multiple of
+Lightning FSDP2's at that cap (issue 40)."""
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -83,6 +105,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--out", default=str(BENCH_DIR / "results"), help="output folder (default benchmarks/results)"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="write a Timeline of each row's first-round run to DIR/<cap>.<row>.json")  # fmt: skip
+    p.add_argument("--timeline-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     a = checked_counts(p, p.parse_args(argv))
@@ -151,6 +176,39 @@ def worker(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     row = ROWS[a.worker]
 
+    class Phases(L.Callback):
+        """Per step: forward, backward (``loss.backward()``, every gradient landed), the rest, and
+        the seconds the pack's collectives were in flight (its counters; None for Lightning's)."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Optional[float]]] = []
+            self._marks: list[float] = []
+            self._busy = 0.0
+
+        def _comm_busy(self, trainer: Any) -> Optional[float]:
+            comm = getattr(trainer.strategy, "communicator", None)
+            return None if comm is None else float(comm.stats.busy_seconds)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            self._marks = [time.perf_counter()]
+            self._busy = self._comm_busy(trainer) or 0.0
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._marks.append(time.perf_counter())
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            self._marks.append(time.perf_counter())
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            start, fwd_end, bwd_end, end = [*self._marks, time.perf_counter()][:4]
+            busy = self._comm_busy(trainer)
+            self.steps.append({
+                "forward": fwd_end - start, "backward": bwd_end - fwd_end, "rest": end - bwd_end,
+                "comm_busy": None if busy is None else busy - self._busy,
+            })  # fmt: skip
+
     class Wire(L.Callback):
         """Node 0's tx bytes at the start and the end of the timed steps, each after a barrier: the
         other local rank's exchanges (DiLoCo's sync with its own replica peer) are done by then."""
@@ -172,7 +230,12 @@ def worker(a: argparse.Namespace) -> None:
 
     L.seed_everything(1234, verbose=False)
     module = _module(row)
-    meter, memory, wire = StepMeter(), StateBytes(), Wire()
+    meter, memory, wire, phases = StepMeter(), StateBytes(), Wire(), Phases()
+    timeline: list[Any] = []
+    if a.timeline_out:
+        from lightning_dist.callbacks import Timeline
+
+        timeline = [Timeline(a.timeline_out)]
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=PER_NODE if not a.same_host else NODES * PER_NODE,
@@ -180,7 +243,7 @@ def worker(a: argparse.Namespace) -> None:
         strategy=_strategy(row),
         max_steps=a.warmup + a.steps,
         limit_val_batches=0,
-        callbacks=[meter, memory, wire],
+        callbacks=[meter, memory, wire, phases, *timeline],
     )
     trainer.fit(module)
     loss = module.eval_loss()
@@ -195,6 +258,7 @@ def worker(a: argparse.Namespace) -> None:
         else None,
         "loss": loss,
         "memory": memory.summary(),
+        "phases": phases.steps[timed],
     }
     if trainer.global_rank == 0 and a.json_out:
         with open(a.json_out, "w") as fh:
@@ -205,10 +269,14 @@ def worker(a: argparse.Namespace) -> None:
 # -- the driver ---------------------------------------------------------------------------------------
 
 
-def launch(cluster: Any, row: Row, a: argparse.Namespace, out: str, port: int) -> dict[str, Any]:
-    """One run of ``row`` on the 4 ranks; rank 0's result or {'error': ...}."""
+def launch(
+    cluster: Any, row: Row, a: argparse.Namespace, out: str, port: int, trace: Optional[str] = None
+) -> dict[str, Any]:
+    """One run of ``row`` on the 4 ranks (with a Timeline to ``trace``); rank 0's result or {'error': ...}."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", row.key, "--json-out", out,
             "--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--same-host"] if a.same_host else [])  # fmt: skip
+    if trace:
+        argv += ["--timeline-out", trace]
     if os.path.exists(out):
         os.remove(out)
     env = _env()
@@ -280,6 +348,75 @@ def _time_table(
     return out
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _phase_table(
+    runs: dict[str, dict[str, list[dict[str, Any]]]], caps: Sequence[Optional[float]], rows: Sequence[str]
+) -> list[str]:
+    """Median ms per step of rank 0's phases over every timed step of every round."""
+    out = [
+        "| row | cap | forward | backward | rest (optimizer, hooks) | pack's collectives in flight |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for cap in caps:
+        for key in rows:
+            steps = [p for r in runs.get(cap_label(cap), {}).get(key, []) for p in r.get("phases", [])]
+            if not steps:
+                continue
+
+            def ms(name: str, steps: list[dict[str, Any]] = steps) -> str:
+                values = [p[name] for p in steps if p.get(name) is not None]
+                return f"{_median(values) * 1000:.1f} ms" if values else "-"
+
+            cells = [ms("forward"), ms("backward"), ms("rest"), ms("comm_busy")]
+            out.append(f"| {ROWS[key].label} | {cap_label(cap)} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _round_ratios(runs: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list[float]:
+    """Per round (the i-th run of each), the row's median step over the reference's."""
+    return [
+        _median(r["step_seconds"]) / _median(f["step_seconds"])
+        for r, f in zip(runs, refs)
+        if "error" not in r and "error" not in f
+    ]
+
+
+def _targets(
+    summary: dict[str, dict[str, Any]],
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    caps: Sequence[Optional[float]],
+    rows: Sequence[str],
+) -> list[str]:
+    """One line per target of ``TARGETS`` this run measured: both ratios and whether they meet it."""
+    out = []
+    for (key, cap), bound in TARGETS.items():
+        label = cap_label(cap)
+        if key not in rows or REFERENCE not in rows or cap not in caps:
+            continue
+        s, ref = summary[label].get(key, {}), summary[label].get(REFERENCE, {})
+        if "median_s" not in s or "median_s" not in ref:
+            out.append(f"- {ROWS[key].label} at {label}: failed (target <= {bound:.2f}x)")
+            continue
+        pooled = s["median_s"] / ref["median_s"]
+        per_round = _round_ratios(runs[label][key], runs[label][REFERENCE])
+        rounds = _median(per_round) if per_round else float("nan")
+        verdict = (
+            "met"
+            if max(pooled, rounds) <= bound
+            else ("met on one of the two" if min(pooled, rounds) <= bound else "missed")
+        )
+        out.append(
+            f"- {ROWS[key].label} at {label}: {pooled:.3f}x pooled, {rounds:.3f}x median of {len(per_round)} "
+            f"per-round ratios ({', '.join(f'{r:.2f}' for r in per_round)}); target <= {bound:.2f}x: {verdict}"
+        )
+    return out
+
+
 def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     import contextlib
 
@@ -309,7 +446,14 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
                     shift = (rnd * 3) % len(rows)
                     for row in rows[shift:] + rows[:shift]:
                         t0, port = time.monotonic(), 29600 + (port - 29599) % 300
-                        res = launch(cluster, row, a, os.path.join(tmp, "r.json"), port)
+                        trace = None
+                        if a.timeline and rnd == 0:
+                            os.makedirs(a.timeline, exist_ok=True)
+                            trace = os.path.join(
+                                a.timeline,
+                                f"{cap_label(cap).replace(' ', '').replace('/', '')}.{row.key}.json",
+                            )
+                        res = launch(cluster, row, a, os.path.join(tmp, "r.json"), port, trace)
                         runs.setdefault(cap_label(cap), {}).setdefault(row.key, []).append(res)
                         done += 1
                         head = (
@@ -333,6 +477,8 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
         "## Sharded training: memory, bytes across the link, step time", "", *[f"{h}  " for h in header], "",
         "Bytes held per rank for training (rank 0):", "", *_memory_table(runs, a.rows), "",
         "Step time, bytes and loss:", "", *_time_table(summary, a.caps, a.rows), "",
+        "Where the time goes (rank 0, median per step):", "", *_phase_table(runs, a.caps, a.rows), "",
+        "Targets (issue 40), against Lightning FSDP2 in this run:", "", *(_targets(summary, runs, a.caps, a.rows) or ["- none measured (needs the fsdp2 row)"]), "",
     ])  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
