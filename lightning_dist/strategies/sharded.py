@@ -125,9 +125,9 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self.fsdp_modules: list[FSDPModule] = []
         self._checkpoint_group: Optional[Any] = None
         self._pending_save: Optional[Any] = None
+        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
         self.pending_gradients = PendingGradients()
         """The reduce-scatters and replica syncs left in flight in the running backward (CPU)."""
-        """The FSDP modules holding parameters (each one FSDP parameter group), in ``modules()`` order."""
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
