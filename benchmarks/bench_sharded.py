@@ -3,6 +3,9 @@
     python benchmarks/bench_sharded.py                                   # root: 2 nodes x 2 ranks, 1 Gbit/s, 100 Mbit/s
     python benchmarks/bench_sharded.py --rounds 1 --caps 1gbit 100mbit   # quick (the docs' table)
     python benchmarks/bench_sharded.py --same-host                       # no namespaces: 4 ranks on this host
+    python benchmarks/bench_sharded.py --rounds 5 --caps 1gbit none --rows fsdp2 sharded sharded_int8 hsdp_int8 \
+        --timeline /tmp/traces                                           # the targets, and one Timeline per row
+    python benchmarks/bench_sharded.py --accelerator gpu --ranks 2 --rows fsdp2 sharded sharded_int8   # 2 ranks, 1 GPU
 
 Four ranks: two emulated nodes (``lightning_dist.cluster.netns.EmulatedCluster``: network namespaces
 joined by a veth pair, ``tc tbf`` per direction for a cap) with two processes x 1 thread each; rank
@@ -25,7 +28,23 @@ sent across the link per timed step (its veth's tx bytes, headers included: what
 nodes; read after a barrier at either end of the timed steps) and the pack's counted bytes (every
 collective of rank 0, inside the node too); the loss on 4 fixed validation batches after training,
 against Lightning FSDP2's. ``--same-host`` runs the 4 ranks as plain processes on this machine (no caps:
-loopback), for where namespaces are not available.
+loopback), for where namespaces are not available. ``--ranks N`` runs N processes on this host under
+torchrun, each with one device of ``--accelerator`` (``gpu``: the same one GPU for every rank, so Gloo,
+with CUDA tensors, carries both strategies' collectives when N > 1, and NCCL at N = 1), no caps.
+
+Where the time goes: rank 0's median forward (batch start to backward), backward (to the end of
+``loss.backward()``, every gradient collective landed) and the rest (optimizer step, gradient
+clipping, hooks) per step, and for the pack's rows the seconds per step during which at least one of
+its collectives was in flight (``CommStats.busy_seconds``: where it exceeds backward + forward
+communication overlapped compute). ``--timeline DIR`` also writes a Timeline (Chrome trace of every
+rank's step phases and the pack's collectives; Lightning FSDP2's collectives are torch's own and not
+in it) of each row's first-round run, ``DIR/<cap>.<row>.json``.
+
+Targets (``TARGETS``: a row's median step against Lightning FSDP2's at the same cap, in the same
+run): each is judged on the pooled medians and on the median of the per-round ratios (rows of one
+round run back to back, so a shared machine's drift cancels more in the latter); the ratio of each
+row's quietest round (lowest run median) is printed too, the least disturbed estimate where other
+jobs share the machine.
 Writes OUT/sharded.md and OUT/sharded.json.
 """
 
@@ -65,6 +84,14 @@ ROWS: dict[str, Row] = {  # kind: "ddp", "fsdp2" (Lightning's ModelParallelStrat
 MEMORY_REFERENCE = "ddp"
 REFERENCE = "fsdp2"
 NODES, PER_NODE = 2, 2
+TARGETS: dict[tuple[str, Optional[float]], float] = {
+    ("sharded", 1000.0): 1.02,
+    ("sharded", None): 1.02,
+    ("sharded_int8", 1000.0): 1.0,
+    ("hsdp_int8", 1000.0): 1.0,
+}
+"""(row, cap in Mbit/s or None for no cap) -> the most its median step may be, as a multiple of
+Lightning FSDP2's at that cap (issue 40)."""
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -80,31 +107,56 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first in each run (default 2)")
     p.add_argument("--same-host", action="store_true", help="4 plain processes on this host, no caps")
     p.add_argument(
+        "--ranks",
+        type=int,
+        default=0,
+        help="N processes on this host under torchrun, one --accelerator device each (shared), no caps",
+    )
+    p.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
+                   help="gpu: every rank on the one GPU (needs --ranks; Gloo when --ranks > 1)")  # fmt: skip
+    p.add_argument(
         "--out", default=str(BENCH_DIR / "results"), help="output folder (default benchmarks/results)"
     )
     p.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    p.add_argument("--timeline", default=None, metavar="DIR",
+                   help="write a Timeline of each row's first-round run to DIR/<cap>.<row>.json")  # fmt: skip
+    p.add_argument("--timeline-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     a = checked_counts(p, p.parse_args(argv))
-    a.caps = [None] if a.same_host else list(dict.fromkeys(a.caps))
+    if a.ranks < 0 or (a.accelerator == "gpu" and a.ranks < 1):
+        p.error(f"--ranks={a.ranks}: give --ranks 1 or more (needed with --accelerator gpu)")
+    if a.ranks and a.same_host:
+        p.error("--ranks and --same-host: give one of them")
+    a.caps = [None] if a.same_host or a.ranks else list(dict.fromkeys(a.caps))
     return a
+
+
+def world_size(a: argparse.Namespace) -> int:
+    return a.ranks or NODES * PER_NODE
+
+
+def _backend(a: argparse.Namespace) -> dict[str, str]:
+    """Ranks sharing one GPU talk over Gloo (NCCL refuses two ranks on one device)."""
+    return {"process_group_backend": "gloo"} if a.accelerator == "gpu" and a.ranks > 1 else {}
 
 
 # -- the worker: one rank of one run ------------------------------------------------------------------
 
 
-def _strategy(row: Row) -> Any:
+def _strategy(row: Row, a: argparse.Namespace) -> Any:
     import lightning_dist
 
+    backend = _backend(a)
     if row.kind == "ddp":
-        return lightning_dist.DDP()
+        return lightning_dist.DDP(**backend)
     if row.kind == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=NODES * PER_NODE, tensor_parallel_size=1)
+        return ModelParallelStrategy(data_parallel_size=world_size(a), tensor_parallel_size=1, **backend)
     if row.kind == "sharded_diloco":
-        return lightning_dist.ShardedDiLoCo(**row.options)
-    return lightning_dist.Sharded(**row.options)
+        return lightning_dist.ShardedDiLoCo(**row.options, **backend)
+    return lightning_dist.Sharded(**row.options, **backend)
 
 
 def _module(row: Row) -> Any:
@@ -134,7 +186,9 @@ def _module(row: Row) -> Any:
             loader = torch.utils.data.DataLoader(data, batch_size=self.config.batch_size)
             self.eval()
             with torch.no_grad():
-                losses = [float(self._loss(b)[0]) for b, _ in zip(loader, range(4))]
+                losses = [
+                    float(self._loss([t.to(self.device) for t in b])[0]) for b, _ in zip(loader, range(4))
+                ]
             return sum(losses) / len(losses)
 
     return ShardLM(WorkloadConfig(seed=1234))
@@ -150,6 +204,41 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     row = ROWS[a.worker]
+    if a.ranks:  # under torchrun: each rank one node of one device (the same GPU for all)
+        os.environ.update(GROUP_RANK=os.environ["RANK"], LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+
+    class Phases(L.Callback):
+        """Per step: forward, backward (``loss.backward()``, every gradient landed), the rest, and
+        the seconds the pack's collectives were in flight (its counters; None for Lightning's)."""
+
+        def __init__(self) -> None:
+            self.steps: list[dict[str, Optional[float]]] = []
+            self._marks: list[float] = []
+            self._busy = 0.0
+
+        def _comm_busy(self, trainer: Any) -> Optional[float]:
+            comm = getattr(trainer.strategy, "communicator", None)
+            return None if comm is None else float(comm.stats.busy_seconds)
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, idx: int) -> None:
+            self._marks = [time.perf_counter()]
+            self._busy = self._comm_busy(trainer) or 0.0
+
+        def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+            self._marks.append(time.perf_counter())
+
+        def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+            self._marks.append(time.perf_counter())
+
+        def on_train_batch_end(
+            self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            start, fwd_end, bwd_end, end = [*self._marks, time.perf_counter()][:4]
+            busy = self._comm_busy(trainer)
+            self.steps.append({
+                "forward": fwd_end - start, "backward": bwd_end - fwd_end, "rest": end - bwd_end,
+                "comm_busy": None if busy is None else busy - self._busy,
+            })  # fmt: skip
 
     class Wire(L.Callback):
         """Node 0's tx bytes at the start and the end of the timed steps, each after a barrier: the
@@ -172,15 +261,24 @@ def worker(a: argparse.Namespace) -> None:
 
     L.seed_everything(1234, verbose=False)
     module = _module(row)
-    meter, memory, wire = StepMeter(), StateBytes(), Wire()
+    meter, memory, wire, phases = StepMeter(), StateBytes(), Wire(), Phases()
+    timeline: list[Any] = []
+    if a.timeline_out:
+        from lightning_dist.callbacks import Timeline
+
+        timeline = [Timeline(a.timeline_out)]
+    if a.ranks:
+        devices, num_nodes = 1, a.ranks
+    else:
+        devices, num_nodes = (NODES * PER_NODE, 1) if a.same_host else (PER_NODE, NODES)
     trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=PER_NODE if not a.same_host else NODES * PER_NODE,
-        num_nodes=NODES if not a.same_host else 1,
-        strategy=_strategy(row),
+        accelerator=a.accelerator,
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=_strategy(row, a),
         max_steps=a.warmup + a.steps,
         limit_val_batches=0,
-        callbacks=[meter, memory, wire],
+        callbacks=[meter, memory, wire, phases, *timeline],
     )
     trainer.fit(module)
     loss = module.eval_loss()
@@ -191,10 +289,11 @@ def worker(a: argparse.Namespace) -> None:
         "step_seconds": meter.step_seconds[timed],
         "counted_bytes": sum(counted) / len(counted) if row.kind != "fsdp2" else None,
         "wire_bytes": (wire.marks[1] - wire.marks[0]) / a.steps
-        if len(wire.marks) == 2 and not a.same_host
+        if len(wire.marks) == 2 and not (a.same_host or a.ranks)
         else None,
         "loss": loss,
         "memory": memory.summary(),
+        "phases": phases.steps[timed],
     }
     if trainer.global_rank == 0 and a.json_out:
         with open(a.json_out, "w") as fh:
@@ -205,16 +304,24 @@ def worker(a: argparse.Namespace) -> None:
 # -- the driver ---------------------------------------------------------------------------------------
 
 
-def launch(cluster: Any, row: Row, a: argparse.Namespace, out: str, port: int) -> dict[str, Any]:
-    """One run of ``row`` on the 4 ranks; rank 0's result or {'error': ...}."""
+def launch(
+    cluster: Any, row: Row, a: argparse.Namespace, out: str, port: int, trace: Optional[str] = None
+) -> dict[str, Any]:
+    """One run of ``row`` on the 4 ranks (with a Timeline to ``trace``); rank 0's result or {'error': ...}."""
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", row.key, "--json-out", out,
             "--steps", str(a.steps), "--warmup", str(a.warmup)] + (["--same-host"] if a.same_host else [])  # fmt: skip
+    if a.ranks:
+        argv[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}", argv[1]]
+        argv += ["--ranks", str(a.ranks), "--accelerator", a.accelerator]
+    if trace:
+        argv += ["--timeline-out", trace]
     if os.path.exists(out):
         os.remove(out)
     env = _env()
     try:
         if cluster is None:
-            env["MASTER_PORT"] = str(port)
+            if not a.ranks:  # torchrun --standalone picks its own
+                env["MASTER_PORT"] = str(port)
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
             code, tail = proc.returncode, proc.stderr[-3000:]
         else:
@@ -280,6 +387,77 @@ def _time_table(
     return out
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _phase_table(
+    runs: dict[str, dict[str, list[dict[str, Any]]]], caps: Sequence[Optional[float]], rows: Sequence[str]
+) -> list[str]:
+    """Median ms per step of rank 0's phases over every timed step of every round."""
+    out = [
+        "| row | cap | forward | backward | rest (optimizer, hooks) | pack's collectives in flight |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for cap in caps:
+        for key in rows:
+            steps = [p for r in runs.get(cap_label(cap), {}).get(key, []) for p in r.get("phases", [])]
+            if not steps:
+                continue
+
+            def ms(name: str, steps: list[dict[str, Any]] = steps) -> str:
+                values = [p[name] for p in steps if p.get(name) is not None]
+                return f"{_median(values) * 1000:.1f} ms" if values else "-"
+
+            cells = [ms("forward"), ms("backward"), ms("rest"), ms("comm_busy")]
+            out.append(f"| {ROWS[key].label} | {cap_label(cap)} | " + " | ".join(cells) + " |")
+    return out
+
+
+def _round_ratios(runs: list[dict[str, Any]], refs: list[dict[str, Any]]) -> list[float]:
+    """Per round (the i-th run of each), the row's median step over the reference's."""
+    return [
+        _median(r["step_seconds"]) / _median(f["step_seconds"])
+        for r, f in zip(runs, refs)
+        if "error" not in r and "error" not in f
+    ]
+
+
+def _targets(
+    summary: dict[str, dict[str, Any]],
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+    caps: Sequence[Optional[float]],
+    rows: Sequence[str],
+) -> list[str]:
+    """One line per target of ``TARGETS`` this run measured: both ratios and whether they meet it."""
+    out = []
+    for (key, cap), bound in TARGETS.items():
+        label = cap_label(cap)
+        if key not in rows or REFERENCE not in rows or cap not in caps:
+            continue
+        s, ref = summary[label].get(key, {}), summary[label].get(REFERENCE, {})
+        if "median_s" not in s or "median_s" not in ref:
+            out.append(f"- {ROWS[key].label} at {label}: failed (target <= {bound:.2f}x)")
+            continue
+        pooled = s["median_s"] / ref["median_s"]
+        per_round = _round_ratios(runs[label][key], runs[label][REFERENCE])
+        rounds = _median(per_round) if per_round else float("nan")
+        best = min(s["round_medians_s"]) / min(ref["round_medians_s"])
+        verdict = (
+            "met"
+            if max(pooled, rounds) <= bound
+            else ("met on one of the two" if min(pooled, rounds) <= bound else "missed")
+        )
+        out.append(
+            f"- {ROWS[key].label} at {label}: {pooled:.3f}x pooled, {rounds:.3f}x median of {len(per_round)} "
+            f"per-round ratios ({', '.join(f'{r:.2f}' for r in per_round)}), {best:.3f}x of the quietest "
+            f"rounds; target <= {bound:.2f}x: {verdict}"
+        )
+    return out
+
+
 def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     import contextlib
 
@@ -289,7 +467,11 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     from lightning_dist.cluster import netns
 
     where = "4 processes on this host (loopback)"
-    if not a.same_host:
+    if a.ranks:
+        device = "the one GPU" if a.accelerator == "gpu" else "the CPU"
+        transport = "Gloo, CUDA tensors" if a.accelerator == "gpu" and a.ranks > 1 else "default backend"
+        where = f"{a.ranks} process(es) on this host under torchrun, sharing {device} ({transport})"
+    elif not a.same_host:
         reason = netns.unavailable_reason(rate_limited=any(c is not None for c in a.caps))
         if reason is not None:
             print(f"bench_sharded: cannot emulate nodes: {reason}; rerun with --same-host", file=sys.stderr)
@@ -303,13 +485,21 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
     print(f"command: {command}\n{total} runs", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for cap in a.caps:
-            cm = contextlib.nullcontext(None) if a.same_host else netns.EmulatedCluster(NODES, rate_mbit=cap)
+            local = a.same_host or a.ranks
+            cm = contextlib.nullcontext(None) if local else netns.EmulatedCluster(NODES, rate_mbit=cap)
             with cm as cluster:
                 for rnd in range(a.rounds):
                     shift = (rnd * 3) % len(rows)
                     for row in rows[shift:] + rows[:shift]:
                         t0, port = time.monotonic(), 29600 + (port - 29599) % 300
-                        res = launch(cluster, row, a, os.path.join(tmp, "r.json"), port)
+                        trace = None
+                        if a.timeline and rnd == 0:
+                            os.makedirs(a.timeline, exist_ok=True)
+                            trace = os.path.join(
+                                a.timeline,
+                                f"{cap_label(cap).replace(' ', '').replace('/', '')}.{row.key}.json",
+                            )
+                        res = launch(cluster, row, a, os.path.join(tmp, "r.json"), port, trace)
                         runs.setdefault(cap_label(cap), {}).setdefault(row.key, []).append(res)
                         done += 1
                         head = (
@@ -333,6 +523,8 @@ def drive(a: argparse.Namespace, argv: Sequence[str]) -> int:
         "## Sharded training: memory, bytes across the link, step time", "", *[f"{h}  " for h in header], "",
         "Bytes held per rank for training (rank 0):", "", *_memory_table(runs, a.rows), "",
         "Step time, bytes and loss:", "", *_time_table(summary, a.caps, a.rows), "",
+        "Where the time goes (rank 0, median per step):", "", *_phase_table(runs, a.caps, a.rows), "",
+        "Targets (issue 40), against Lightning FSDP2 in this run:", "", *(_targets(summary, runs, a.caps, a.rows) or ["- none measured (needs the fsdp2 row)"]), "",
     ])  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

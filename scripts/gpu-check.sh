@@ -88,6 +88,15 @@ step diloco 180 $PY examples/train.py --strategy "lightning_dist:DiLoCo(inner_st
 # 5b. Sharded (FSDP2): int8 reduce-scatter and DiLoCo over shards, NCCL at world size 1, bf16-mixed
 step sharded_int8 180 $PY examples/train.py --strategy ld_sharded_int8 --accelerator $ACC --devices $DEV --max-steps "$(steps 10)" --precision $PREC
 step sharded_diloco 180 $PY examples/train.py --strategy "lightning_dist:ShardedDiLoCo(inner_steps=4, compression='int8')" --accelerator $ACC --devices $DEV --max-steps "$(steps 12)" --precision $PREC
+# 5c. Sharded against Lightning's FSDP2 (ModelParallelStrategy), the same step as bench_sharded (issue 40):
+#     world size 1 (NCCL) and 2 ranks on the one GPU (Gloo with CUDA tensors); step-time ratios in one run
+if [ "$DRY" = 1 ]; then
+  step sharded_vs_fsdp2 180 $PY benchmarks/bench_sharded.py --accelerator cpu --ranks 2 --rounds 1 --steps 2 --warmup 1 --rows fsdp2 sharded --out "$OUT/sharded_vs_fsdp2"
+else
+  for n in 1 2; do
+    step "sharded_vs_fsdp2_$n" 200 $PY benchmarks/bench_sharded.py --accelerator gpu --ranks $n --rounds 2 --steps 20 --rows fsdp2 sharded sharded_int8 --out "$OUT/sharded_vs_fsdp2_$n"
+  done
+fi
 # 6. Elastic over NCCL under torchrun: commits, is SIGKILLed, resumes with the fault-free weights
 [ "$DRY" = 0 ] && step elastic_nccl 240 $PY scripts/gpu_elastic_check.py "$OUT/elastic"
 # 7. Horovod built with NCCL, then HorovodAdasum on the GPU (1 rank, MPI controller)

@@ -150,6 +150,37 @@ def test_large_gloo_all_gather_goes_out_in_pieces(
     assert splits == [7] * world_size
 
 
+@pytest.mark.parametrize("piece_bytes", [1 << 20, 24])
+def test_gloo_all_gather_into_one_piece_goes_straight_into_the_output(
+    piece_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP2's all-gather (``all_gather_into``) of at most one piece is one ``_allgather_base`` into
+    the output, not the list all-gather plus copies; above a piece it goes out in pieces. Either
+    way every rank gets every rank's tensor, rank after rank, with the bytes of one all-gather."""
+    from lightning_dist.collectives import torch_backend
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "gloo_piece_bytes", piece_bytes)
+    listed: list[int] = []
+    real = torch_backend.TorchBackend.all_gather
+
+    def counting(self: torch_backend.TorchBackend, tensor: torch.Tensor) -> object:
+        listed.append(tensor.numel())
+        return real(self, tensor)
+
+    monkeypatch.setattr(torch_backend.TorchBackend, "all_gather", counting)
+    w = 3
+
+    def body(comm: Communicator) -> tuple[torch.Tensor, dict[str, float]]:
+        out = torch.empty(w * 40)
+        return comm.all_gather_into(out, rank_tensor(comm.rank, (40,))), comm.stats.snapshot()
+
+    expected = torch.cat([rank_tensor(r, (40,)) for r in range(w)])
+    for out, snap in run_in_threads(w, body):
+        assert torch.equal(out, expected)
+        assert snap["all_gather.calls"] == 1 and snap["all_gather.bytes_sent"] == (w - 1) * 160
+    assert listed == ([] if piece_bytes > 160 else [40] * w)
+
+
 def test_piece_bounds_cover_the_tensor_in_order() -> None:
     from lightning_dist.collectives.torch_backend import piece_bounds
 

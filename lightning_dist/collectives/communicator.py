@@ -50,6 +50,7 @@ from lightning_dist.collectives.timeouts import (
     naming_timeouts,
     translate,
 )
+from lightning_dist.collectives.work import FutureWork
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,18 @@ class Communicator:
             if new is exc:
                 raise
             raise new from exc
+
+    def wait(self, fut: Future, op: str, detail: str = "") -> Any:
+        """The blocking form's wait on a future this communicator returned for ``op``: its value,
+        or its error (a timeout as ``CollectiveTimeout`` naming ``op`` and ``detail``). For callers
+        that post an asynchronous form now and wait for it later."""
+        return self._wait(fut, op, detail)
+
+    def as_work(self, fut: Future, op: str, detail: str = "") -> FutureWork:
+        """``fut`` (an asynchronous form's future for ``op``) as a ``torch.distributed`` ``Work``
+        whose ``wait()`` is ``wait(fut, op, detail)``: for extension points that wait on a Work
+        later (FSDP2's custom all-gather)."""
+        return FutureWork(fut, lambda: self._wait(fut, op, detail))
 
     def _recorded(self, op: str, detail: str) -> Optional[CollectiveTimeout]:
         """The latest recorded timeout of the collective ``op`` moving ``detail``, if any."""

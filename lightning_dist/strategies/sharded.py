@@ -63,6 +63,7 @@ from lightning_dist.strategies.options import (
     reject_unknown_options,
 )
 from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
+from lightning_dist.strategies.sharded_landing import Landing, PendingGradients
 from lightning_dist.strategies.sharded_mesh import MESH_DIMS, ShardedMesh, mesh_refusal
 from lightning_dist.strategies.sharding_policy import (
     fsdp_modules,
@@ -134,6 +135,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self._pending_save: Optional[Any] = None
         self._data_parallel_mesh: Optional[DeviceMesh] = None
         self._quiet: list[Any] = []
+        self.pending_gradients = PendingGradients()
+        """The reduce-scatters and replica syncs left in flight in the running backward (CPU)."""
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
@@ -227,7 +230,15 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         return {"num_replicas": mesh.size(), "rank": mesh.get_local_rank()}
 
     @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # every gradient in place before clipping and the optimizer (the end of the backward waited
+        # for them already; this covers a backward that ran no final callbacks)
+        self.pending_gradients.wait_all()
+        super().post_backward(closure_loss)
+
+    @override
     def teardown(self) -> None:
+        self.pending_gradients.clear()  # a failed step's collectives: a peer may be gone
         self.wait_for_checkpoint()
         for comm in (self._shard_comm, self._replica_comm):
             if comm is not None:
@@ -305,7 +316,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         subclass may override this, or only ``replica_hook``."""
         options = self.options
         reduce_scatter = PackReduceScatter(
-            self.shard_comm, options.compression, options.int8_block_size, options.error_feedback
+            self.shard_comm,
+            options.compression,
+            options.int8_block_size,
+            options.error_feedback,
+            landing=Landing.of(module, self.pending_gradients),
         )
         module.set_custom_all_gather(PackAllGather(self.shard_comm))
         module.set_custom_reduce_scatter(reduce_scatter)
@@ -326,6 +341,8 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             key=f"fsdp{index}",
             shards=shard_layout(module),
             adasum=self.options.reduce_op == "adasum",
+            reduce_scatter=self.reduce_scatters[index],
+            pending=self.pending_gradients,
         )
 
     # -- per-rank state in the distributed checkpoint ----------------------------------------------

@@ -13,12 +13,17 @@ gradient when the module is sharded over a 1-D mesh): the average of that shard 
 groups, through the replicate group's communicator and any compressor of the pack, or their
 gradient-space Adasum (per parameter shard).
 
-FSDP2 calls them synchronously (on CUDA, on its reduce-scatter / all-reduce streams, which every
-operation here is issued on); neither returns before its result is in place.
+On CPU tensors the all-gather returns a ``Work`` that FSDP2 waits on in its copy-out, so its
+backward prefetch (the next unit's all-gather posted before this unit's backward) overlaps compute;
+the reduce-scatter and the replica sync after it land later where FSDP2 does not read their output
+at once (``sharded_landing``: the strategy waits for them at the end of the backward), and wait
+where it does. On CUDA both are issued on the stream FSDP2 makes current (its all-gather,
+reduce-scatter and all-reduce streams) and return once posted there, stream-ordered as FSDP2's own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -28,8 +33,10 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
+from lightning_dist.collectives.work import FutureWork
 from lightning_dist.compression import Compressor, Exchange
 from lightning_dist.compression.reduce_scatter import int8_reduce_scatter
+from lightning_dist.strategies.sharded_landing import Landing, PendingGradients, once
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -62,22 +69,30 @@ class _PlainBuffers:
 
 
 class PackAllGather(_PlainBuffers, AllGather):
-    """One FSDP parameter group's all-gather over ``comm`` (the shard group), as FSDP2 sends it."""
+    """One FSDP parameter group's all-gather over ``comm`` (the shard group), as FSDP2 sends it: on
+    CPU tensors a ``Work`` FSDP2 waits on in its copy-out, on CUDA posted on the current stream."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
 
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
-    ) -> None:
+    ) -> Optional[FutureWork]:
         _check_group(group, self.comm)
-        self.comm.all_gather_into(output_tensor, input_tensor)
+        if output_tensor.is_cuda:
+            self.comm.all_gather_into(output_tensor, input_tensor)
+            return None
+        fut = self.comm.all_gather_into_async(output_tensor, input_tensor)
+        return self.comm.as_work(fut, "all_gather", f"FSDP all-gather, {input_tensor.numel()} elements")
 
 
 @dataclass(eq=False)
 class PackReduceScatter(_PlainBuffers, ReduceScatter):
     """One FSDP parameter group's reduce-scatter over ``comm`` (the shard group), ``compression``
-    None (fp32), ``"bf16"``, ``"fp16"`` or ``"int8"``. Holds the group's error-feedback residual."""
+    None (fp32), ``"bf16"``, ``"fp16"`` or ``"int8"``. Holds the group's error-feedback residual.
+
+    With a ``landing`` it may return before the result is in place (``sharded_landing``): the
+    landing's ``pending`` set completes it, or the group's all-reduce hook, through ``deferred``."""
 
     comm: Communicator
     compression: Optional[str] = None
@@ -85,6 +100,9 @@ class PackReduceScatter(_PlainBuffers, ReduceScatter):
     error_feedback: bool = False
     residual: Optional[Tensor] = None
     """int8 with error feedback: what quantisation dropped from this rank's last input."""
+    landing: Optional[Landing] = None
+    deferred: Optional[Callable[[], None]] = None
+    """The last call's landing (wait, then write the output), when it returned before that; else None."""
 
     def __call__(
         self,
@@ -94,25 +112,46 @@ class PackReduceScatter(_PlainBuffers, ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> None:
-        comm, w = self.comm, self.comm.world_size
-        _check_group(group, comm)
+        _check_group(group, self.comm)
         average = _averages(op)
-        if self.compression == "int8":
-            output_tensor.copy_(self._int8(input_tensor, average))
+        self.deferred = None
+        land = self._post(output_tensor, input_tensor, average)
+        landing = self.landing
+        if landing is not None and landing.may_defer(output_tensor, average) and landing.pending.defer(land):
+            self.deferred = land
             return
-        wire = WIRE_DTYPES.get(self.compression or "")
-        if wire is None:
-            reduced = comm.reduce_scatter(input_tensor.view(w, -1), "sum")
-            output_tensor.copy_(reduced.view(-1))
-            if average:
-                output_tensor.div_(w)
-            return
-        payload = input_tensor.to(wire)
-        if average:
-            payload.div_(w)  # before the sum, in the wire dtype: as torch's fp16 hook, no overflow
-        output_tensor.copy_(comm.reduce_scatter(payload.view(w, -1), "sum").view(-1))
+        land()
 
-    def _int8(self, flat: Tensor, average: bool) -> Tensor:
+    def _post(self, output: Tensor, flat: Tensor, average: bool) -> Callable[[], None]:
+        """Post the reduce-scatter of ``flat``; returns its landing (it runs once, however often it is
+        called): wait for it, then write this rank's result into ``output``, on the calling thread
+        (on CUDA, on its current stream)."""
+        comm, w = self.comm, self.comm.world_size
+        detail = f"FSDP reduce-scatter, {flat.numel()} elements"
+        if self.compression == "int8":
+            ex = self._int8(flat, average)
+            done = run_exchanges(comm, [[ex]])
+
+            def _int8_lands() -> None:
+                comm.wait(done, "all_to_all", detail)
+                assert ex.result is not None
+                output.copy_(ex.result[0])
+
+            return once(_int8_lands)
+        wire = WIRE_DTYPES.get(self.compression or "")
+        payload = flat if wire is None else flat.to(wire)
+        if wire is not None and average:
+            payload.div_(w)  # before the sum, in the wire dtype: as torch's fp16 hook, no overflow
+        fut = comm.reduce_scatter_async(payload.view(w, -1), "sum")
+
+        def _lands() -> None:
+            output.copy_(comm.wait(fut, "reduce_scatter", detail).view(-1))
+            if wire is None and average:
+                output.div_(w)  # fp32: after the sum, as FSDP2's own AVG
+
+        return once(_lands)
+
+    def _int8(self, flat: Tensor, average: bool) -> Exchange:
         residual = None
         if self.error_feedback:
             if self.residual is None or self.residual.shape != flat.shape:
@@ -121,10 +160,7 @@ class PackReduceScatter(_PlainBuffers, ReduceScatter):
         rounds = int8_reduce_scatter(
             flat, self.comm.world_size, self.block_size, average=average, residual=residual
         )
-        ex = Exchange(rounds, self.comm.world_size)
-        run_exchanges(self.comm, [[ex]]).wait()
-        assert ex.result is not None
-        return ex.result[0]
+        return Exchange(rounds, self.comm.world_size)
 
 
 @dataclass(eq=False)
@@ -143,6 +179,10 @@ class ReplicaSync:
     key: str
     shards: list[tuple[int, torch.Size]]
     adasum: bool = False
+    reduce_scatter: Optional[PackReduceScatter] = None
+    """This group's reduce-scatter: a result it left in flight is waited for before it is read."""
+    pending: Optional[PendingGradients] = None
+    """Where the sync itself is left in flight, when its reduce-scatter was (the same conditions)."""
 
     def _views(self, flat: Tensor) -> list[Tensor]:
         return [flat[o : o + s.numel()].view(s) for o, s in self.shards if s.numel() > 0]
@@ -150,6 +190,9 @@ class ReplicaSync:
     def __call__(self, reduce_output: Tensor) -> None:
         comm, compressor = self.comm, self.compressor
         w, rank = comm.world_size, comm.rank
+        deferred = None if self.reduce_scatter is None else self.reduce_scatter.deferred
+        if deferred is not None:
+            deferred()  # the shard gradient lands before its replicas' sync reads it
         if w == 1:
             return
         if self.adasum:
@@ -164,8 +207,26 @@ class ReplicaSync:
             return
         views = self._views(reduce_output) if compressor.per_tensor else [reduce_output]
         ex = compressor.exchange(self.key, views, world_size=w, rank=rank)
-        run_exchanges(comm, [[ex]]).wait()
-        assert ex.result is not None
-        for v, r in zip(views, ex.result, strict=True):
-            if r.data_ptr() != v.data_ptr():
-                v.copy_(r)
+
+        def _copy_back() -> None:
+            assert ex.result is not None
+            for v, r in zip(views, ex.result, strict=True):
+                if r.data_ptr() != v.data_ptr():
+                    v.copy_(r)
+
+        pending = self.pending
+        if deferred is None or pending is None:
+            run_exchanges(comm, [[ex]]).wait()
+            _copy_back()
+            return
+        # behind the replica sync before it: their later rounds are posted from completion callbacks
+        done = run_exchanges(comm, [[ex]], after=pending.replica_tail)
+        pending.replica_tail = done
+        detail = f"replica sync of {self.key}, {reduce_output.numel()} elements"
+
+        def _lands() -> None:
+            comm.wait(done, "replica_sync", detail)
+            _copy_back()
+
+        if not pending.defer(_lands):
+            _lands()

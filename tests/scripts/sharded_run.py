@@ -16,7 +16,8 @@ the default policy), ``optimizer`` ("adamw", "sgd"), ``lr``, ``steps`` or
 
 Rank 0 writes ``<name>.pt`` (the full final weights, gathered); every rank writes
 ``<name>.rank<r>.json`` (bytes by op, loss, first and last batch's loss on that rank, the pack's
-warnings, torch's warnings that Sharded silences) and with ``record`` ``<name>.rank<r>.batches.pt``.
+warnings, torch's warnings that Sharded silences, how many gradient collectives were left in flight)
+and with ``record`` ``<name>.rank<r>.batches.pt``.
 """
 
 from __future__ import annotations
@@ -232,6 +233,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "first_loss": losses.losses[0] if losses.losses else None,
         "last_loss": losses.losses[-1] if losses.losses else None,
         "fsdp_modules": len(getattr(trainer.strategy, "fsdp_modules", [])),
+        "deferred": getattr(getattr(trainer.strategy, "pending_gradients", None), "deferred", None),
         "seconds": time.perf_counter() - start,
     }
     if rank == 0:
