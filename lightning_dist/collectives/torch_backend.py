@@ -225,8 +225,11 @@ class TorchBackend(Backend):
     @override
     def all_gather_into(self, output: Tensor, tensor: Tensor) -> Future:
         small = tensor.numel() * tensor.element_size() <= self.gloo_piece_bytes
-        if self.device_type != "cuda" and not (small and tensor.is_contiguous() and output.is_contiguous()):
-            return super().all_gather_into(output, tensor)  # Gloo: in pieces (module docstring)
+        straight = small and not tensor.is_cuda and tensor.is_contiguous() and output.is_contiguous()
+        if self.device_type != "cuda" and not straight:
+            # Gloo: in pieces (module docstring); CUDA tensors as before (Gloo's _allgather_base on
+            # them has not run here)
+            return super().all_gather_into(output, tensor)
         work = self.group._allgather_base(output, tensor)  # straight into output: no copy
         return _then(work, lambda: output)
 
