@@ -94,7 +94,7 @@ if [ "$DRY" = 1 ]; then
   step sharded_vs_fsdp2 180 $PY benchmarks/bench_sharded.py --accelerator cpu --ranks 2 --rounds 1 --steps 2 --warmup 1 --rows fsdp2 sharded --out "$OUT/sharded_vs_fsdp2"
 else
   for n in 1 2; do
-    step "sharded_vs_fsdp2_$n" 200 $PY benchmarks/bench_sharded.py --accelerator gpu --ranks $n --rounds 2 --steps 20 --rows fsdp2 sharded sharded_int8 --out "$OUT/sharded_vs_fsdp2_$n"
+    step "sharded_vs_fsdp2_$n" 150 $PY benchmarks/bench_sharded.py --accelerator gpu --ranks $n --rounds 1 --steps 20 --rows fsdp2 sharded sharded_int8 --out "$OUT/sharded_vs_fsdp2_$n"
   done
 fi
 # 6. Elastic over NCCL under torchrun: commits, is SIGKILLed, resumes with the fault-free weights
