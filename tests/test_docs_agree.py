@@ -68,7 +68,7 @@ def test_readme_diloco_row_quotes_the_defaults_figure_and_names_the_tuned_settin
     default_ratio = float(_low_comm_row("DiLoCo(H=32, int8, outer_lr=0.7, momentum=0.9)")[4])
     tuned_ratio = float(_low_comm_row("DiLoCo(H=32, int8)")[4])  # the table's outer_lr=1.0, momentum 0.5
     assert "DiLoCo rows use `outer_lr=1.0, outer_momentum=0.5` unless named" in DOCS["low-communication.md"]
-    (row,) = [line for line in README.splitlines() if line.startswith("| very slow links")]
+    (row,) = [line for line in DOCS["strategies.md"].splitlines() if line.startswith("| very slow links")]
     assert f"+{(default_ratio - 1) * 100:.1f}% with the default" in row, row
     assert f"+{(tuned_ratio - 1) * 100:.1f}% with `outer_lr=1.0, outer_momentum=0.5`" in row, row
 
