@@ -163,7 +163,7 @@ def _module(row: Row) -> Any:
     import torch
     from typing_extensions import override
 
-    from lightning_dist.strategies.sharding_policy import shard_by_layer
+    from lightning_dist.layout.sharding_policy import shard_by_layer
     from lightning_dist.workload import TinyCausalLM, WorkloadConfig
     from lightning_dist.workload.data import TextBlocks, load_corpus
 

@@ -37,7 +37,7 @@ from lightning_dist.collectives import Communicator  # noqa: E402
 from lightning_dist.collectives.fault_tolerant import ManagedBackend  # noqa: E402
 from lightning_dist.collectives.single import SingleProcessBackend  # noqa: E402
 from lightning_dist.compression import Int8Quantization, PowerSGD, simulate  # noqa: E402
-from lightning_dist.strategies.fault_tolerant_compression import (  # noqa: E402
+from lightning_dist.wire.fault_tolerant_compression import (  # noqa: E402
     KEY,
     CompressedGradients,
     without_residuals,

@@ -16,8 +16,8 @@ import torch
 
 from lightning_dist import Horovod, HorovodAdasum
 from lightning_dist.collectives.single import SingleProcessBackend
+from lightning_dist.preflight.horovod_launch import LAUNCHER_VARS, check_horovod_launched
 from lightning_dist.strategies.horovod_elastic import HorovodElastic
-from lightning_dist.strategies.horovod_launch import LAUNCHER_VARS, check_horovod_launched
 
 
 class OneProcessHorovod(SingleProcessBackend):

@@ -23,7 +23,7 @@ from helpers import MPIRUN_TWO_RANKS, SCRIPTS, concurrently, lanes_budget, run_c
 from torch import nn
 
 from lightning_dist.collectives import Communicator
-from lightning_dist.strategies.model_check import check_same_model
+from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.testing import run_in_threads
 
 HINT = "Build the same model on every rank: check for rank-dependent code in __init__/configure_model"

@@ -31,10 +31,10 @@ from lightning_dist.collectives import Communicator
 from lightning_dist.compression import Exchange, make_compressor, simulate
 from lightning_dist.compression.int8 import QMAX
 from lightning_dist.compression.reduce_scatter import int8_reduce_scatter, int8_reduce_scatter_bytes
-from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
-from lightning_dist.strategies.sharded_mesh import mesh_refusal
-from lightning_dist.strategies.sharding_policy import plan_units, shard_by_layer
+from lightning_dist.layout.sharded_mesh import mesh_refusal
+from lightning_dist.layout.sharding_policy import plan_units, shard_by_layer
 from lightning_dist.testing import run_in_threads
+from lightning_dist.wire.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
 
 SCRIPT = str(SCRIPTS / "sharded_run.py")
 MLP_SIZES = (12, 40, 24, 3)
@@ -402,7 +402,7 @@ def test_with_replica_groups_another_mesh_is_refused_with_the_reason(
 
 def test_torch_notes_silence_only_torchs_two_warnings_and_only_until_restored() -> None:
     """From torch.distributed only, and gone once restored (Sharded's teardown)."""
-    from lightning_dist.strategies import torch_notes
+    from lightning_dist.layout import torch_notes
 
     view = "FSDP2-wrapped module (FSDPLinear) returned a view tensor. An in-place op ..."
     slicing = "Slicing a flattened dim from root mesh will be deprecated in PT 2.11."

@@ -18,9 +18,9 @@ from torch.distributed import ReduceOp
 from lightning_dist.collectives import Communicator, SingleProcessBackend
 from lightning_dist.collectives.futures import failed_future
 from lightning_dist.compression import make_compressor
-from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
-from lightning_dist.strategies.sharded_landing import Landing, PendingGradients
 from lightning_dist.testing import run_in_threads
+from lightning_dist.wire.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
+from lightning_dist.wire.sharded_landing import Landing, PendingGradients
 
 W, N = 2, 6
 """Ranks, and elements of each rank's reduce-scatter output."""

@@ -14,7 +14,7 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment
 
 from lightning_dist import DDP
-from lightning_dist.strategies.slurm_check import (
+from lightning_dist.preflight.slurm import (
     check_ddp_under_slurm,
     check_horovod_under_slurm,
     check_slurm_matches,

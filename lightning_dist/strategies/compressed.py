@@ -27,13 +27,13 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.compression import COMPRESSORS, Compressor
-from lightning_dist.strategies.compressed_hook import CompressedHookState, compressed_hook
-from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import COMPRESSED_REDUCE_OPS, op_name
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
 from lightning_dist.warn import warn_once
+from lightning_dist.wire.compressed_hook import CompressedHookState, compressed_hook
 
 logger = logging.getLogger(__name__)
 

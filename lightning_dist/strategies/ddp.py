@@ -20,15 +20,14 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_dist.collectives import Communicator, TorchBackend
+from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.compat import _IS_INTERACTIVE, _PATH, _init_dist_connection, _SubprocessScriptLauncher
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
-from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook
 from lightning_dist.strategies.foreign_checkpoints import (
     load_distributed_checkpoint,
     warn_dropped_compressor_state,
 )
 from lightning_dist.strategies.fork_launcher import checked_launcher
-from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
 from lightning_dist.strategies.options import (
@@ -38,6 +37,7 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
+from lightning_dist.wire.comm_hook import CollectivesHookState, collectives_hook
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
+        from lightning_dist.preflight.slurm import check_ddp_under_slurm
 
         check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         super().setup_environment()

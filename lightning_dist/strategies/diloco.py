@@ -42,13 +42,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_dist.algorithms.cpu_state import to_cpu
+from lightning_dist.algorithms.diloco_outer import OuterSGD
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor, make_compressor
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
-from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.ddp import DDP
-from lightning_dist.strategies.diloco_outer import OuterSGD
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.options import (
     DILOCO_COMPRESSIONS,

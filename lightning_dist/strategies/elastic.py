@@ -41,6 +41,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dist.algorithms.lr_scaling import scale_learning_rates
+from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.compat import (
     _PATH,
     checkpoint_batch_progress,
@@ -56,8 +58,6 @@ from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
-from lightning_dist.strategies.lr_scaling import scale_learning_rates
-from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.warn import warn_once
 

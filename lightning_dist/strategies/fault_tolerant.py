@@ -23,7 +23,7 @@ the same with 2 groups or 1 up to the order of the float additions.
 
 The training DataLoader must be map-style with ``batch_size`` (the micro-batch); the strategy reads
 the samples of its slots itself (``dataset[i]`` and the loader's ``collate_fn``, in this process),
-after the quorum. Lightning's loop sees only this process's micro-batches (``fault_tolerant_batches``):
+after the quorum. Lightning's loop sees only this process's micro-batches (``micro_batch_slots``):
 each batch's hooks fire with its ``training_step``, its real batch and its outputs; Lightning steps
 at every batch (``accumulate_grad_batches=1``) and the strategy sums a step's batches' gradients
 and steps once, after the last. Lightning's epoch is the data epoch: it ends once the committed
@@ -64,6 +64,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dist.algorithms.micro_batch_slots import (
+    GradientSum,
+    OwnBatches,
+    scaled_loss,
+    slots_per_process,
+)
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.fault_tolerant import (
     HOST_ENV,
@@ -80,15 +86,9 @@ from lightning_dist.compression.packing import unflatten
 from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.compressed import build_compressor
-from lightning_dist.strategies.fault_tolerant_batches import (
-    GradientSum,
-    OwnBatches,
-    scaled_loss,
-    slots_per_process,
-)
-from lightning_dist.strategies.fault_tolerant_compression import CompressedGradients
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
+from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
 
 logger = logging.getLogger(__name__)
 OWNER = "FaultTolerant"

@@ -55,9 +55,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dist.algorithms.cpu_state import to_cpu
+from lightning_dist.algorithms.diloco_outer import OuterSGD
 from lightning_dist.collectives.fault_tolerant import state_checksum
 from lightning_dist.compat import set_global_step
-from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.diloco import (
     _by_dtype,
     _persistent_float_buffers,
@@ -65,7 +66,6 @@ from lightning_dist.strategies.diloco import (
     build_diloco_compressor,
     inner_parameters,
 )
-from lightning_dist.strategies.diloco_outer import OuterSGD
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.fault_tolerant import (
     FaultTolerant,

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.collectives import Communicator
 from lightning_dist.compression import Compressor
-from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
 from lightning_dist.strategies.options import normalize_op, reject_unknown_options
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates

@@ -18,12 +18,12 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_dist.algorithms.lr_scaling import scale_learning_rates
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.horovod_backend import HorovodBackend
+from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
-from lightning_dist.strategies.lr_scaling import scale_learning_rates
 from lightning_dist.strategies.metric_sync import route_metric_sync
-from lightning_dist.strategies.model_check import check_same_model
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import HorovodOptions, option_names
 
@@ -111,8 +111,8 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.strategies.horovod_launch import check_strategy_launched
-        from lightning_dist.strategies.slurm_check import check_horovod_under_slurm
+        from lightning_dist.preflight.horovod_launch import check_strategy_launched
+        from lightning_dist.preflight.slurm import check_horovod_under_slurm
 
         check_horovod_under_slurm(self)  # under SLURM: one MPI job of SLURM_NTASKS ranks
         check_strategy_launched(self)  # devices=2 without horovodrun/mpirun would train alone

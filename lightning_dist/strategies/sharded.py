@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.collectives import Communicator, TorchBackend
 from lightning_dist.compat import (
     _METADATA_FILENAME,
@@ -50,9 +51,15 @@ from lightning_dist.compat import (
     _optimizers_to_device,
 )
 from lightning_dist.compression import COMPRESSORS, Compressor, make_compressor
-from lightning_dist.strategies import torch_notes
+from lightning_dist.layout import torch_notes
+from lightning_dist.layout.sharded_mesh import MESH_DIMS, ShardedMesh, mesh_refusal
+from lightning_dist.layout.sharding_policy import (
+    fsdp_modules,
+    shard_by_layer,
+    split_ties,
+    unsharded_parameters,
+)
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
-from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import (
     PROCESS_GROUP_BACKENDS,
@@ -62,16 +69,9 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
-from lightning_dist.strategies.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
-from lightning_dist.strategies.sharded_landing import Landing, PendingGradients
-from lightning_dist.strategies.sharded_mesh import MESH_DIMS, ShardedMesh, mesh_refusal
-from lightning_dist.strategies.sharding_policy import (
-    fsdp_modules,
-    shard_by_layer,
-    split_ties,
-    unsharded_parameters,
-)
 from lightning_dist.warn import warn_once
+from lightning_dist.wire.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
+from lightning_dist.wire.sharded_landing import Landing, PendingGradients
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        from lightning_dist.strategies.slurm_check import check_ddp_under_slurm
+        from lightning_dist.preflight.slurm import check_ddp_under_slurm
 
         check_ddp_under_slurm(self)  # SLURM tasks vs devices/num_nodes, before the group forms
         world = self.num_nodes * self.num_processes

@@ -40,12 +40,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_dist.algorithms.cpu_state import to_cpu
+from lightning_dist.algorithms.diloco_outer import OuterSGD
 from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
-from lightning_dist.strategies.cpu_state import to_cpu
 from lightning_dist.strategies.diloco import DiLoCoLoop, build_diloco_compressor, inner_parameters
-from lightning_dist.strategies.diloco_outer import OuterSGD
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
     option_names,

@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dist import FaultTolerant, FaultTolerantDiLoCo
 from lightning_dist.collectives.fault_tolerant import state_checksum
-from lightning_dist.strategies.fault_tolerant_compression import without_residuals
+from lightning_dist.wire.fault_tolerant_compression import without_residuals
 
 OUT = Path(os.environ["FT_OUT"])
 GROUP = int(os.environ["REPLICA_GROUP_ID"])

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_dist
-from lightning_dist.strategies.sharding_policy import shard_by_layer
+from lightning_dist.layout.sharding_policy import shard_by_layer
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 

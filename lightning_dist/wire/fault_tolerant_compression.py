@@ -29,11 +29,11 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lightning_dist.algorithms.cpu_state import map_tensors
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import Compressor
 from lightning_dist.compression.packing import unflatten
-from lightning_dist.strategies.cpu_state import map_tensors
 
 PER_GROUP = ("residual", "momentum")
 """The names of a key's state entries that are this group's own (everything else is shared)."""

@@ -23,8 +23,8 @@ from torch.futures import Future
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import Compressor, Exchange, reference_bytes
-from lightning_dist.strategies.comm_hook import CollectivesHookState, collectives_hook, start_call
 from lightning_dist.warn import warn_once
+from lightning_dist.wire.comm_hook import CollectivesHookState, collectives_hook, start_call
 
 Layout = dict[int, list[int]]
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from lightning_dist.strategies.slurm_check import MPI_LAUNCH_VARS, MPIRUN_VARS
+from lightning_dist.preflight.slurm import MPI_LAUNCH_VARS, MPIRUN_VARS
 
 logger = logging.getLogger(__name__)
 

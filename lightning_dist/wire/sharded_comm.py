@@ -36,7 +36,7 @@ from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.collectives.work import FutureWork
 from lightning_dist.compression import Compressor, Exchange
 from lightning_dist.compression.reduce_scatter import int8_reduce_scatter
-from lightning_dist.strategies.sharded_landing import Landing, PendingGradients, once
+from lightning_dist.wire.sharded_landing import Landing, PendingGradients, once
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

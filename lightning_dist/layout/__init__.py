@@ -1,0 +1,1 @@
+"""The *layout* part's torch-side pieces: the sharded device mesh and which modules FSDP2 shards."""
