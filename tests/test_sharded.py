@@ -53,7 +53,7 @@ with two blocks)."""
         ({"compression": "bf16", "error_feedback": True}, ["error_feedback=True", "compression='int8'"]),
         ({"int8_block_size": 0}, ["int8_block_size=0", ">= 1"]),
         ({"replicas": 0}, ["replicas=0", ">= 1"]),
-        ({"replica_sync": "nope"}, ["replica_sync='nope'", "'powersgd'", "Compressor"]),
+        ({"replica_sync": "nope"}, ["replica_sync='nope'", "powersgd", "Compressor"]),
         ({"process_group_backend": "tcp"}, ["process_group_backend='tcp'", "'gloo'", "'nccl'"]),
         ({"reduce_op": "max"}, ["reduce_op='max'", "'adasum'"]),
         (

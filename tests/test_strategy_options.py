@@ -191,7 +191,8 @@ def test_compression_takes_allreduce_compressors_only() -> None:
     instance = BF16Compression()
     assert Horovod(compression=instance).compressor is instance
     with pytest.raises(
-        ValueError, match=r"Horovod needs an all-reduce compressor; accepted: none, fp16, bf16"
+        ValueError,
+        match=r"Horovod needs an all-reduce compressor; accepted: None, 'none', 'fp16', 'bf16', 'powersgd'",
     ):
         Horovod(compression=TopK(ratio=0.1))
 

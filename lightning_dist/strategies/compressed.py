@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 from lightning.pytorch.utilities import rank_zero_info
@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.compression import COMPRESSORS, Compressor
+from lightning_dist.compression.builder import build_compressor
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import COMPRESSED_REDUCE_OPS, op_name
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
@@ -43,33 +44,6 @@ CHECKPOINT_KEY = "lightning_dist.compressed"
 COMPRESSOR_STATES = RankStates(CHECKPOINT_KEY, "Compressed", "the checkpoint has no compressor state")
 """Checkpoint entry: ``{"world_size": W, "compressor": name, "ranks": [rank r's
 ``compressor_checkpoint_state()``]}``."""
-
-
-def build_compressor(
-    compressor: Union[str, Compressor],
-    options: Mapping[str, Any],
-    *,
-    owner: str = "Compressed",
-    accepted: Optional[Sequence[str]] = None,
-) -> Compressor:
-    """``compressor`` itself, or the named one built with ``options``; ValueError naming what is wrong
-    (``owner``: the strategy; ``accepted``: its own options, default ``Compressed``'s)."""
-    strategy_options = ", ".join(Compressed._accepted_options()[1:] if accepted is None else accepted)
-    if isinstance(compressor, Compressor):
-        if options:
-            raise ValueError(
-                f"{owner} got unknown option(s) {', '.join(sorted(options))}; a Compressor instance takes "
-                f"its options itself; strategy options: {strategy_options}"
-            )
-        return compressor
-    if not isinstance(compressor, str) or compressor.lower() not in COMPRESSORS:
-        raise ValueError(f"compressor={compressor!r} is not known; accepted: {', '.join(COMPRESSORS)}")
-    try:
-        return COMPRESSORS[compressor.lower()](**options)
-    except ValueError as err:
-        if "unknown option" in str(err):
-            raise ValueError(f"{err}; strategy options: {strategy_options}") from None
-        raise
 
 
 class Compressed(RankStateMixin, DDP):
@@ -117,7 +91,11 @@ class Compressed(RankStateMixin, DDP):
         ddp_names = set(DDP._accepted_options())
         ddp_options = {k: v for k, v in options.items() if k in ddp_names}
         self.compressor = build_compressor(
-            compressor, {k: v for k, v in options.items() if k not in ddp_names}
+            compressor,
+            COMPRESSORS,
+            options={k: v for k, v in options.items() if k not in ddp_names},
+            owner="Compressed",
+            strategy_options=Compressed._accepted_options()[1:],
         )
         op = op_name(reduce_op, COMPRESSED_REDUCE_OPS, argument="reduce_op", default="avg")
         if op == "adasum" and not self.compressor.supports_adasum:

@@ -46,7 +46,8 @@ from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.algorithms.diloco_outer import OuterSGD
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
-from lightning_dist.compression import Compressor, make_compressor
+from lightning_dist.compression import COMPRESSORS, Compressor
+from lightning_dist.compression.builder import build_compressor
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
@@ -72,22 +73,13 @@ DILOCO_STATES = RankStates(
 
 def build_diloco_compressor(compression: Union[None, str, Compressor]) -> Compressor:
     """The compressor for ``compression`` (None: uncompressed); ValueError naming what is accepted."""
-    accepted = f"None, {', '.join(map(repr, DILOCO_COMPRESSIONS))} or a Compressor of those"
-    if compression is None:
-        return make_compressor("none")
-    if isinstance(compression, Compressor):
-        if compression.name not in DILOCO_COMPRESSIONS:
-            raise ValueError(
-                f"compression={compression!r} is not supported by DiLoCo (the pseudo-gradient needs an "
-                f"average); accepted: {accepted}"
-            )
-        return compression
-    if not isinstance(compression, str) or compression.lower() not in DILOCO_COMPRESSIONS:
-        raise ValueError(
-            f"compression={compression!r} is not supported by DiLoCo (the pseudo-gradient needs an "
-            f"average); accepted: {accepted}"
-        )
-    return make_compressor(compression.lower())
+    return build_compressor(
+        compression,
+        COMPRESSORS,
+        argument="compression",
+        accepted=DILOCO_COMPRESSIONS,
+        refusal=" by DiLoCo (the pseudo-gradient needs an average)",
+    )
 
 
 def _persistent_float_buffers(module: nn.Module) -> list[Tensor]:

@@ -81,11 +81,11 @@ from lightning_dist.collectives.fault_tolerant import (
 from lightning_dist.collectives.fault_tolerant_addresses import check_lighthouse, wait_for_lighthouse
 from lightning_dist.collectives.fault_tolerant_logs import configure_torchft_logs, verbose_wanted
 from lightning_dist.compat import disable_distributed_sampler, mark_last_batch, set_global_step
-from lightning_dist.compression import Compressor
+from lightning_dist.compression import COMPRESSORS, Compressor
+from lightning_dist.compression.builder import build_compressor
 from lightning_dist.compression.packing import unflatten
 from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
-from lightning_dist.strategies.compressed import build_compressor
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
@@ -251,7 +251,9 @@ class FaultTolerant(SingleDeviceStrategy):
         self.compression: Optional[CompressedGradients] = None
         """The compressor and its state across failures (None: no compression)."""
         if compressor is not None:
-            built = build_compressor(compressor, compressor_options, owner=OWNER, accepted=accepted)
+            built = build_compressor(
+                compressor, COMPRESSORS, options=compressor_options, owner=OWNER, strategy_options=accepted
+            )
             self.compression = CompressedGradients(built)
         self.verbose = verbose_wanted(self.options.verbose)
         """Whether torchft logs at INFO (``verbose``)."""

@@ -20,11 +20,11 @@ from typing_extensions import override
 
 from lightning_dist.collectives.exchanges import run_exchanges, start_round
 from lightning_dist.compression import COMPRESSORS, Compressor, Exchange
+from lightning_dist.compression.builder import build_compressor
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
 from lightning_dist.strategies.options import (
     HOROVOD_COMPRESSIONS,
     HOROVOD_OPS,
-    check_choice,
     normalize_op,
     op_name,
     reject_unknown_options,
@@ -69,7 +69,15 @@ class Horovod(HorovodBase):
             )
         # any spelling of collectives.ops ("avg", "mean", ReduceOp.SUM ...); held as Horovod's words
         spelled = {"avg": "average", "sum": "sum"}[op_name(op, HOROVOD_OPS, argument="op")]
-        compressor = _horovod_compressor(compression)
+        allreduce = [n for n, c in COMPRESSORS.items() if c.aggregation == "allreduce"]
+        built = build_compressor(
+            compression,
+            COMPRESSORS,
+            argument="compression",
+            accepted=allreduce if isinstance(compression, Compressor) else HOROVOD_COMPRESSIONS,
+            refusal=": Horovod needs an all-reduce compressor",
+        )
+        compressor = None if built.name == "none" else built
         super().__init__(lr_scale, accelerator, checkpoint_io, precision_plugin)
         self.op = spelled
         self.compression = None if compression == "none" else compression
@@ -181,17 +189,3 @@ class Horovod(HorovodBase):
         self._pending.clear()
         self._reductions.clear()
         super().teardown()
-
-
-def _horovod_compressor(compression: Any) -> Optional[Compressor]:
-    """The compressor for Horovod's ``compression=`` argument (None for no compression)."""
-    if isinstance(compression, Compressor):
-        if compression.aggregation != "allreduce":
-            allowed = ", ".join(n for n, c in COMPRESSORS.items() if c.aggregation == "allreduce")
-            raise ValueError(
-                f"compression={compression!r} is not supported: Horovod needs an all-reduce compressor; "
-                f"accepted: {allowed}"
-            )
-        return compression
-    check_choice("compression", compression, HOROVOD_COMPRESSIONS)
-    return None if compression in (None, "none") else COMPRESSORS[compression]()

@@ -50,7 +50,8 @@ from lightning_dist.compat import (
     _materialize_distributed_module,
     _optimizers_to_device,
 )
-from lightning_dist.compression import COMPRESSORS, Compressor, make_compressor
+from lightning_dist.compression import COMPRESSORS, Compressor
+from lightning_dist.compression.builder import build_compressor
 from lightning_dist.layout import torch_notes
 from lightning_dist.layout.sharded_mesh import MESH_DIMS, ShardedMesh, mesh_refusal
 from lightning_dist.layout.sharding_policy import (
@@ -150,13 +151,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
 
     @staticmethod
     def _build_replica_compressor(options: ShardedOptions) -> Compressor:
-        sync = options.replica_sync
-        if not isinstance(sync, Compressor) and str(sync).lower() not in COMPRESSORS:
-            raise ValueError(
-                f"replica_sync={sync!r} is not supported; accepted: {', '.join(map(repr, COMPRESSORS))} "
-                "or a lightning_dist.compression.Compressor"
-            )
-        compressor = sync if isinstance(sync, Compressor) else make_compressor(sync)
+        compressor = build_compressor(options.replica_sync, COMPRESSORS, argument="replica_sync")
         if options.reduce_op == "adasum" and not compressor.supports_adasum:
             raise ValueError(
                 f"reduce_op='adasum' is not supported with replica_sync={compressor.name!r}; accepted: "
