@@ -1,11 +1,6 @@
-"""``DiLoCoLoop``: a strategy's glue to the DiLoCo sync part (``lightning_dist.sync.diloco``).
-
-The strategy holds a ``DiLoCoSync`` (``diloco_sync``) and drives it from Lightning's hooks: a sync
-after every ``inner_steps``-th optimizer step and at the end of ``fit`` (``diloco_tail``), the
-pseudo-gradients averaged over ``pseudo_gradient_comm()`` (every rank; ``ShardedDiLoCo``: the ranks
-holding the same shard) through ``compressor``, the buffers over all ranks. The part's counters and
-outer state read as the strategy's own (``strategy.outer``, ``strategy.inner_step``, ...).
-"""
+"""``DiLoCoLoop``: a strategy's glue to the DiLoCo sync part it holds (``diloco_sync``, a
+``lightning_dist.sync.diloco.DiLoCoSync``), driven from Lightning's hooks; the part's counters and
+outer state read as the strategy's own (``strategy.outer``, ``strategy.inner_step``, ...)."""
 
 from __future__ import annotations
 

@@ -18,10 +18,8 @@ commit are rescaled to the new accumulation, the compressor states of the old ra
 (``Compressor.merge_states``), and where the new size does not divide the global batch the learning
 rate follows ``plan.lr_scale`` (``scale_lr=False`` turns that off).
 
-
-``ElasticMixin`` is the glue between a Lightning strategy and the resilience part it holds
-(``ElasticCommits``, ``strategy.resilience``); ``ElasticDiLoCo`` (``elastic_diloco``) puts it over
-``DiLoCo``, ``HorovodElastic`` over ``Horovod``.
+``ElasticMixin`` joins a strategy to its resilience part (``ElasticCommits``); ``ElasticDiLoCo`` and
+``HorovodElastic`` use it too.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -50,6 +47,7 @@ from lightning_dist.strategies.elastic_commits import (
     ElasticCommits,
     _ElasticLoader,
     process_group_kwargs,
+    torchrun_num_nodes,
 )
 from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.strategies.part_field import PartField
@@ -114,10 +112,7 @@ class ElasticMixin(_MixinBase):
     def num_nodes(self, num_nodes: int) -> None:
         """Under torchrun the agent's rendezvous decides the node count (``--nnodes=MIN:MAX``), not
         the Trainer's ``num_nodes``: Lightning checks devices x nodes against WORLD_SIZE."""
-        if TorchElasticEnvironment.detect():
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            num_nodes = max(1, int(os.environ["WORLD_SIZE"]) // max(1, local))
-        self._elastic_num_nodes = num_nodes
+        self._elastic_num_nodes = torchrun_num_nodes(num_nodes)
 
     @override
     def _process_group_kwargs(self) -> dict[str, Any]:

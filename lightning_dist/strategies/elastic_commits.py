@@ -1,13 +1,7 @@
-"""``ElasticCommits``: Elastic's resilience part, commits with torchrun restarts.
-
-The part a strategy holds (``strategy.resilience``) for what torchrun's agent lacks: the commit store
-and its background writer, the newest commit found on a (re)start and made ready to resume (the data
-position, Lightning's batch counters at another accumulation, the learning-rate factor at another
-world size), each rank's RNG state at ``on_train_start``, and the commit payload (Lightning's
-checkpoint plus the data position, the plan and every rank's RNG). ``ElasticMixin`` is its glue to
-a Lightning strategy; the layout under it (DDP, Compressed, DiLoCo, Horovod) only adds its per-rank
-state to the checkpoint.
-"""
+"""``ElasticCommits``: Elastic's resilience part (commits with torchrun restarts), held by a strategy
+as ``resilience``: the commit store and writer, the resume from the newest commit (data position,
+Lightning's counters and the learning rates at another world size, each rank's RNG), the commit
+payload. ``ElasticMixin`` is its glue to a Lightning strategy."""
 
 from __future__ import annotations
 
@@ -19,6 +13,7 @@ from typing import Any, Optional, Protocol
 
 import lightning as L
 import torch
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -68,6 +63,14 @@ def _rescale_batch_progress(progress: dict[str, Any], ready: int) -> None:
     for scope in ("current", "total"):
         for name in ("ready", "started", "processed", "completed"):
             progress[scope][name] = int(progress[scope][name]) + shift
+
+
+def torchrun_num_nodes(num_nodes: int) -> int:
+    """The node count torchrun's rendezvous decided (WORLD_SIZE / LOCAL_WORLD_SIZE), else ``num_nodes``."""
+    if TorchElasticEnvironment.detect():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        num_nodes = max(1, int(os.environ["WORLD_SIZE"]) // max(1, local))
+    return num_nodes
 
 
 def process_group_kwargs(timeout: timedelta) -> dict[str, Any]:

@@ -1,14 +1,7 @@
-"""DiLoCo's inner/outer loop as a part: the counters, when a sync is due, and the sync itself.
-
-    loop = DiLoCoSync(inner_steps=500, outer_lr=0.7, outer_momentum=0.9, nesterov=True, sync_buffers=True)
-    loop.start(named_params)                      # at the start of fit: the last-sync copy
-    if loop.step_done(ends=...):                  # after every inner optimizer step
-        loop.sync(comm, compressor, module, buffer_comm)
-
-It knows no layout and no resilience: the strategy that holds it says over whom the pseudo-gradients
-are averaged (``comm``: every rank, or the ranks holding the same shard), which compressor carries
-them, and over whom the buffers are averaged; it saves and restores the counters and ``outer``.
-"""
+"""DiLoCo's inner/outer loop as a sync part, with no layout or resilience in it: the counters, when a
+sync is due (``step_done``), and the sync (``sync``): the pseudo-gradients averaged over the ``comm``
+its holder names (every rank, or the ranks with the same shard) through its compressor, the outer
+step, the buffers averaged over ``buffer_comm``."""
 
 from __future__ import annotations
 
