@@ -43,7 +43,7 @@ from lightning_dist.algorithms.diloco_outer import OuterSGD
 from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
-from lightning_dist.layout.local_shards import (
+from lightning_dist.layout.sharded_checkpoint import (
     like_param,
     local_optimizer_state,
     local_shard,
