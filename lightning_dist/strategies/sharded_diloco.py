@@ -127,9 +127,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         except ValueError as error:  # Sharded's compression is ShardedDiLoCo's shard_compression
             raise ValueError(re.sub(r"\bcompression=", "shard_compression=", str(error))) from None
         self.layout.replica_gradients = False  # replica groups exchange pseudo-gradients instead
-        entry = RankStateEntry(
-            self._rank_state, self._load_rank_state, lambda: self.outer is not None, DROPPED
-        )
+        entry = RankStateEntry(self._rank_state, self._load_rank_state, self._holds_rank_state, DROPPED)
         self.layout.add_rank_state("diloco", entry)
         self._auto_replicas = replicas == "auto"
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
@@ -208,6 +206,9 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             "outer": outer.state_dict(),
             "compressor": to_cpu(self.compressor.state_dict()),
         }
+
+    def _holds_rank_state(self) -> bool:
+        return self.outer is not None
 
     def _load_rank_state(self, own: Mapping[str, Any]) -> None:
         outer = self.outer
