@@ -30,14 +30,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_dist.algorithms.cpu_state import to_cpu
@@ -46,6 +44,13 @@ from lightning_dist.algorithms.diloco_params import inner_parameters
 from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
+from lightning_dist.layout.sharded_checkpoint import (
+    like_param,
+    local_optimizer_state,
+    local_shard,
+    restore_local_optimizer_state,
+)
+from lightning_dist.layout.sharded_layout import RankStateEntry
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
@@ -76,52 +81,6 @@ DROPPED = (
     "the inner steps since the last sync (every replica group continues from the last-sync weights)",
     "each replica group's own inner optimizer state",
 )
-
-
-def local_shard(param: Tensor) -> Tensor:
-    """The tensor this rank holds of ``param``: a DTensor's local shard (an alias under ``no_grad``:
-    writing it writes the parameter), any other tensor itself."""
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
-def like_param(local: Tensor, param: Tensor) -> Tensor:
-    """``local`` (this rank's part of something shaped and sharded like ``param``) as a DTensor
-    placed like ``param``, so the distributed checkpoint saves it as one tensor and can reshard it."""
-    if not isinstance(param, DTensor):
-        return local
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-    )
-
-
-def local_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> dict[str, Any]:
-    """This rank's part of ``optimizer``'s state, by parameter name: local shards on the CPU."""
-    out: dict[str, Any] = {}
-    for param, state in optimizer.state.items():
-        out[names[id(param)]] = {
-            k: local_shard(v).detach().cpu().clone() if isinstance(v, Tensor) else v for k, v in state.items()
-        }
-    return out
-
-
-def restore_local_optimizer_state(
-    optimizer: torch.optim.Optimizer, names: Mapping[int, str], saved: Mapping[str, Any]
-) -> None:
-    """Write ``saved`` (``local_optimizer_state``'s) into ``optimizer``'s state in place: the state must
-    exist (the distributed checkpoint's optimizer entry was loaded first) with the same entries."""
-    have = {names[id(p)]: s for p, s in optimizer.state.items()}
-    if set(have) != set(saved) or any(set(have[n]) != set(saved[n]) for n in saved):
-        raise ValueError(
-            f"ShardedDiLoCo: this rank's saved inner optimizer state holds {sorted(saved)[:5]}..., the "
-            f"optimizer {sorted(have)[:5]}...: resume with the configure_optimizers of the run that saved it"
-        )
-    with torch.no_grad():
-        for name, state in have.items():
-            for k, v in state.items():
-                if isinstance(v, Tensor):
-                    local_shard(v).copy_(saved[name][k])
-                else:
-                    state[k] = saved[name][k]
 
 
 class ShardedDiLoCo(DiLoCoLoop, Sharded):
@@ -168,6 +127,9 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             super().__init__(shard_compression, replicas=1 if replicas == "auto" else replicas, **sharded)
         except ValueError as error:  # Sharded's compression is ShardedDiLoCo's shard_compression
             raise ValueError(re.sub(r"\bcompression=", "shard_compression=", str(error))) from None
+        self.layout.replica_gradients = False  # replica groups exchange pseudo-gradients instead
+        entry = RankStateEntry(self._rank_state, self._load_rank_state, self._holds_rank_state, DROPPED)
+        self.layout.add_rank_state("diloco", entry)
         self._auto_replicas = replicas == "auto"
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._names: dict[int, str] = {}
@@ -183,19 +145,13 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             *SHARDED_PASSED_ON,
         ]
 
-    # -- mesh and hooks: no gradient sync across replica groups -----------------------------------
+    # -- mesh: no gradient sync across replica groups (the layout's replica_gradients) -------------
     @override
     def setup_environment(self) -> None:
         if self._auto_replicas:
-            self.options.replicas = (
-                self.num_nodes if self.num_nodes > 1 else self.num_nodes * self.num_processes
-            )
+            nodes, world = self.num_nodes, self.num_nodes * self.num_processes
+            self.options.replicas = self.layout.replicas = nodes if nodes > 1 else world
         super().setup_environment()
-
-    @override
-    def replica_hook(self, module: FSDPModule, index: int) -> Optional[Callable[[Tensor], None]]:
-        """None: replica groups exchange pseudo-gradients every ``inner_steps``, not gradients."""
-        return None
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -239,29 +195,25 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
                 state[name] = like_param(anchor.detach().to(param.dtype).cpu(), param)
         return state
 
-    @override
-    def sharded_rank_state(self) -> dict[str, Any]:
-        state = super().sharded_rank_state()
+    def _rank_state(self) -> dict[str, Any]:
+        """This rank's current shard, inner optimizer state, outer state and compressor state."""
         outer = self.outer
-        if outer is None:
-            return state
+        assert outer is not None
         with torch.no_grad():
             params = {n: t.detach().cpu().clone() for n, t in zip(outer.names, outer.tensors(), strict=True)}
         return {
-            **state,
-            "diloco": {
-                "params": params,
-                "optimizer": local_optimizer_state(self.optimizers[0], self._names),
-                "outer": outer.state_dict(),
-                "compressor": to_cpu(self.compressor.state_dict()),
-            },
+            "params": params,
+            "optimizer": local_optimizer_state(self.optimizers[0], self._names),
+            "outer": outer.state_dict(),
+            "compressor": to_cpu(self.compressor.state_dict()),
         }
 
-    @override
-    def load_sharded_rank_state(self, state: Mapping[str, Any]) -> None:
-        super().load_sharded_rank_state(state)
-        own, outer = state.get("diloco"), self.outer
-        if own is None or outer is None:
+    def _holds_rank_state(self) -> bool:
+        return self.outer is not None
+
+    def _load_rank_state(self, own: Mapping[str, Any]) -> None:
+        outer = self.outer
+        if outer is None:
             return
         outer.load_state_dict(own["outer"])
         with torch.no_grad():
@@ -270,14 +222,6 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         restore_local_optimizer_state(self.optimizers[0], self._names, own["optimizer"])
         self.compressor.load_state_dict(own["compressor"])
         self._restored = True
-
-    @override
-    def rank_state_names(self) -> list[str]:
-        return [*super().rank_state_names(), *DROPPED]
-
-    @override
-    def holds_rank_state(self) -> bool:
-        return self.outer is not None or super().holds_rank_state()
 
     @override
     def save_checkpoint(
