@@ -37,7 +37,6 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
-from lightning.pytorch.trainer.states import RunningStage
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -58,6 +57,7 @@ from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
+from lightning_dist.strategies.elastic_data import is_training_loader
 from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.warn import warn_once
 
@@ -275,13 +275,9 @@ class ElasticMixin(_MixinBase):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self._trainer()
-        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+        why = "supplies the sampler itself"
+        if not is_training_loader(dataloader, trainer, "Elastic", "the per-rank micro-batch", why):
             return dataloader
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "Elastic: the training DataLoader must be built with batch_size= (the per-rank micro-batch); "
-                "Elastic supplies the sampler itself"
-            )
         dataset_len = len(dataloader.dataset)  # type: ignore[arg-type]
         resumed = self._resume_plan
         if resumed is not None and resumed.dataset_len != dataset_len:
