@@ -278,6 +278,7 @@ class ElasticMixin(_MixinBase):
         why = "supplies the sampler itself"
         if not is_training_loader(dataloader, trainer, "Elastic", "the per-rank micro-batch", why):
             return dataloader
+        assert dataloader.batch_size is not None  # is_training_loader checked it
         dataset_len = len(dataloader.dataset)  # type: ignore[arg-type]
         resumed = self._resume_plan
         if resumed is not None and resumed.dataset_len != dataset_len:
