@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_dist.collectives.backend import Backend
 from lightning_dist.collectives.communicator import Communicator
+from lightning_dist.collectives.fault_tolerant_quorum import QuorumBackend
 from lightning_dist.collectives.futures import completed_future
 from lightning_dist.collectives.torch_backend import TorchBackend
 
@@ -316,10 +317,10 @@ class ManagedBackend(Backend):
     def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
         from torch.distributed import ReduceOp
 
+        if op in ("min", "max"):  # not the Manager's: on its current process group, failures reported
+            return self._managed(lambda: self._current().all_reduce(tensor, op), tensor)
         if op not in ("sum", "avg"):
-            raise ValueError(
-                f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg' (torchft's Manager)"
-            )
+            raise ValueError(f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg', 'min', 'max'")
         if op == "avg":
             tensor.div_(self.world_size)  # divide first, then sum, as TorchBackend does
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
@@ -520,6 +521,12 @@ class FaultTolerantTransport:
         self._quorums = _QuorumRecorder(self.manager._client)
         self.manager._client = self._quorums
         self.communicator = Communicator(ManagedBackend(self.manager))
+        self.quorum = (
+            self.communicator
+            if self.group is None
+            else Communicator(QuorumBackend(self.communicator, self.group))
+        )
+        """Collectives over every process of the quorum's groups (Lightning's, for ``FaultTolerant``)."""
 
     def _store_address(self, host: str) -> tuple[str, int]:
         """The replica group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT), else one this process
@@ -640,6 +647,7 @@ class FaultTolerantTransport:
         return self.manager.errored() is not None
 
     def shutdown(self) -> None:
+        self.quorum.close()
         self.communicator.close()
         if self.group is not None:
             self.group.close()
