@@ -280,12 +280,13 @@ class ManagedBackend(Backend):
 
     ``all_reduce`` is the Manager's fault-tolerant all-reduce: a peer's failure is recorded (the
     step is then not committed) instead of raised, and a group not participating contributes zeros.
-    ``all_gather`` and ``all_to_all`` (the compressors' other rounds) run on the Manager's current
-    process group under the same contract: a failure is reported to the Manager (``wrap_future``)
+    ``all_gather``, ``all_to_all`` (the compressors' other rounds), ``broadcast``, ``barrier`` and a
+    ``min``/``max`` all-reduce (Lightning's) run on the Manager's current process group under the same
+    contract: a failure is reported to the Manager (``wrap_future``)
     instead of raised, and once the step has failed they return zeros without communicating; what
     they return in a failed step is meaningless, and the step is not committed. Rank and world size
-    are this group's place in the quorum. The other operations run on the current process group (a
-    failure raises)."""
+    are this group's place in the quorum. The others (``reduce_scatter``, ``send``, ``recv``) run on
+    the current process group (a failure raises)."""
 
     name = "torchft"
 
@@ -335,7 +336,7 @@ class ManagedBackend(Backend):
 
     @override
     def broadcast(self, tensor: Tensor, src: int) -> Future:
-        return self._current().broadcast(tensor, src)
+        return self._managed(lambda: self._current().broadcast(tensor, src), tensor)
 
     def _managed(self, start: Callable[[], Future], default: Any) -> Future:
         """``start()``'s result, or ``default`` once the step has failed (reported to the Manager,
@@ -373,8 +374,18 @@ class ManagedBackend(Backend):
         return self._current().recv(tensor, src, tag)
 
     @override
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """The pickled broadcast; ``obj`` itself once the step has failed (nothing was received)."""
+        try:
+            return super().broadcast_object(obj, src)
+        except Exception:
+            if self.manager.errored() is None:
+                raise
+            return obj
+
+    @override
     def barrier(self) -> None:
-        self._current().barrier()
+        self._managed(lambda: completed_future(self._current().barrier()), None)
 
     @override
     def close(self) -> None:
