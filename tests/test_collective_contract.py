@@ -24,6 +24,7 @@ LAUNCH = {
     "Compressed": "lightning",
     "DiLoCo": "lightning",
     "Elastic": "torchrun",
+    "FaultTolerant": "torchft",
     "ElasticDiLoCo": "torchrun",
     "Horovod": "mpirun",
     "HorovodAdasum": "mpirun",
@@ -38,6 +39,9 @@ def launch(root: Path, strategies: list[str], how: str) -> dict[str, list[dict[s
     launcher = [sys.executable]
     if how == "torchrun":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    elif how == "torchft":
+        pytest.importorskip("torchft", reason="torchft not installed (pip install '.[ft]')")
+        launcher = [sys.executable, "-m", "lightning_dist.launch.fault_tolerant", "--groups", "2", "--"]
     elif how == "mpirun":
         if shutil.which("mpirun") is None:
             pytest.skip("mpirun not found (apt-get install openmpi-bin)")
@@ -65,6 +69,12 @@ def torchrun_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[di
 def mpirun_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, torch.Tensor]]]:
     names = [s for s, how in LAUNCH.items() if how == "mpirun"]
     return launch(tmp_path_factory.mktemp("mpirun"), names, "mpirun")
+
+
+@pytest.fixture(scope="module")
+def torchft_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """FaultTolerant's two replica groups of one process each (its ranks: the quorum's)."""
+    return launch(tmp_path_factory.mktemp("torchft"), ["FaultTolerant"], "torchft")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +107,7 @@ def test_collectives_equal_lightning_ddp(
     ours = request.getfixturevalue(f"{LAUNCH[strategy]}_runs")[strategy]
     for rank, (got, ref) in enumerate(zip(ours, lightning_ddp, strict=True)):
         own = {k for k in got if k.startswith("pack_")}
-        if LAUNCH[strategy] != "mpirun":  # a torch.distributed world: groups can be named
+        if LAUNCH[strategy] not in ("mpirun", "torchft"):  # a torch.distributed world: groups can be named
             assert got.pop("pack_subgroup_refused").item() is True, "a subgroup must be refused"
             torch.testing.assert_close(
                 got.pop("pack_reduce_all_ranks_group"), ref["reduce_sum"], rtol=0, atol=0
@@ -110,3 +120,18 @@ def test_collectives_equal_lightning_ddp(
             assert torch.equal(a, b), f"rank {rank} {key}: {a.tolist()} != {b.tolist()}"
         # the exact mean of [rank + 2, 5] over ranks 0 and 1 (Lightning: truncated into int64)
         assert got["reduce_int_mean"].tolist() == [2.5, 5.0]
+
+
+def test_fault_tolerant_sync_dist_log_is_the_mean_over_groups(
+    torchft_runs: dict[str, list[dict[str, torch.Tensor]]],
+) -> None:
+    """``self.log(..., sync_dist=True)`` in a FaultTolerant run is the mean over the quorum's groups of
+    what each logged: group r logs (r + 1) x (batch_idx + 1), the last batch's index being 1, and
+    ``log_local`` (no sync) keeps each group's r + 1."""
+    runs = torchft_runs["FaultTolerant"]
+    local = [run["metric_log_local"].item() for run in runs]
+    assert local == [1.0, 2.0], "each group logs its own value unsynced"
+    expected = sum(value * 2 for value in local) / len(local)
+    for run in runs:
+        assert run["metric_log_mean"].item() == expected
+        assert run["metric_log_sum"].item() == sum(local) and run["metric_log_max"].item() == max(local)

@@ -12,9 +12,20 @@ the one of ``M`` accumulated micro-batches.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Optional
 
 from torch import Tensor
+
+
+def owns_slot(slot: int, participants: int, rank: Optional[int]) -> bool:
+    """Whether the quorum's participant ``rank`` (None: not participating) computes ``slot``: slot j
+    goes to participant ``j % participants``, so every slot of a step has exactly one owner."""
+    return rank is not None and slot % participants == rank
+
+
+def owned_slots(slots: int, participants: int, rank: Optional[int]) -> int:
+    """How many of a step's ``slots`` the quorum's participant ``rank`` computes (``owns_slot``)."""
+    return sum(owns_slot(j, participants, rank) for j in range(slots))
 
 
 class OwnBatches:

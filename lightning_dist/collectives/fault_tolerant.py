@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from lightning_dist.collectives.backend import Backend
 from lightning_dist.collectives.communicator import Communicator
+from lightning_dist.collectives.fault_tolerant_quorum import QuorumBackend
 from lightning_dist.collectives.futures import completed_future
 from lightning_dist.collectives.torch_backend import TorchBackend
 
@@ -279,12 +280,13 @@ class ManagedBackend(Backend):
 
     ``all_reduce`` is the Manager's fault-tolerant all-reduce: a peer's failure is recorded (the
     step is then not committed) instead of raised, and a group not participating contributes zeros.
-    ``all_gather`` and ``all_to_all`` (the compressors' other rounds) run on the Manager's current
-    process group under the same contract: a failure is reported to the Manager (``wrap_future``)
+    ``all_gather``, ``all_to_all`` (the compressors' other rounds), ``broadcast``, ``barrier`` and a
+    ``min``/``max`` all-reduce (Lightning's) run on the Manager's current process group under the same
+    contract: a failure is reported to the Manager (``wrap_future``)
     instead of raised, and once the step has failed they return zeros without communicating; what
     they return in a failed step is meaningless, and the step is not committed. Rank and world size
-    are this group's place in the quorum. The other operations run on the current process group (a
-    failure raises)."""
+    are this group's place in the quorum. The others (``reduce_scatter``, ``send``, ``recv``) run on
+    the current process group (a failure raises)."""
 
     name = "torchft"
 
@@ -316,10 +318,10 @@ class ManagedBackend(Backend):
     def all_reduce(self, tensor: Tensor, op: str, name: Optional[str] = None) -> Future:
         from torch.distributed import ReduceOp
 
+        if op in ("min", "max"):  # not the Manager's: on its current process group, failures reported
+            return self._managed(lambda: self._current().all_reduce(tensor, op), tensor)
         if op not in ("sum", "avg"):
-            raise ValueError(
-                f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg' (torchft's Manager)"
-            )
+            raise ValueError(f"ManagedBackend.all_reduce: op={op!r}; accepted: 'sum', 'avg', 'min', 'max'")
         if op == "avg":
             tensor.div_(self.world_size)  # divide first, then sum, as TorchBackend does
         self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
@@ -334,7 +336,7 @@ class ManagedBackend(Backend):
 
     @override
     def broadcast(self, tensor: Tensor, src: int) -> Future:
-        return self._current().broadcast(tensor, src)
+        return self._managed(lambda: self._current().broadcast(tensor, src), tensor)
 
     def _managed(self, start: Callable[[], Future], default: Any) -> Future:
         """``start()``'s result, or ``default`` once the step has failed (reported to the Manager,
@@ -372,8 +374,18 @@ class ManagedBackend(Backend):
         return self._current().recv(tensor, src, tag)
 
     @override
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """The pickled broadcast; ``obj`` itself once the step has failed (nothing was received)."""
+        try:
+            return super().broadcast_object(obj, src)
+        except Exception:
+            if self.manager.errored() is None:
+                raise
+            return obj
+
+    @override
     def barrier(self) -> None:
-        self._current().barrier()
+        self._managed(lambda: completed_future(self._current().barrier()), None)
 
     @override
     def close(self) -> None:
@@ -520,6 +532,12 @@ class FaultTolerantTransport:
         self._quorums = _QuorumRecorder(self.manager._client)
         self.manager._client = self._quorums
         self.communicator = Communicator(ManagedBackend(self.manager))
+        self.quorum = (
+            self.communicator
+            if self.group is None
+            else Communicator(QuorumBackend(self.communicator, self.group))
+        )
+        """Collectives over every process of the quorum's groups (Lightning's, for ``FaultTolerant``)."""
 
     def _store_address(self, host: str) -> tuple[str, int]:
         """The replica group's TCPStore: torchrun's (MASTER_ADDR/MASTER_PORT), else one this process
@@ -640,6 +658,7 @@ class FaultTolerantTransport:
         return self.manager.errored() is not None
 
     def shutdown(self) -> None:
+        self.quorum.close()
         self.communicator.close()
         if self.group is not None:
             self.group.close()

@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.trainer.states import RunningStage
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dist.collectives.model_check import check_same_model
@@ -49,6 +47,7 @@ from lightning_dist.strategies.elastic_commits import (
     process_group_kwargs,
     torchrun_num_nodes,
 )
+from lightning_dist.strategies.elastic_data import is_training_loader
 from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.strategies.part_field import PartField
 from lightning_dist.warn import warn_once
@@ -154,13 +153,10 @@ class ElasticMixin(_MixinBase):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self._trainer()
-        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+        why = "supplies the sampler itself"
+        if not is_training_loader(dataloader, trainer, "Elastic", "the per-rank micro-batch", why):
             return dataloader
-        if dataloader.batch_size is None:
-            raise ValueError(
-                "Elastic: the training DataLoader must be built with batch_size= (the per-rank micro-batch); "
-                "Elastic supplies the sampler itself"
-            )
+        assert dataloader.batch_size is not None  # is_training_loader checked it
         dataset_len = len(dataloader.dataset)  # type: ignore[arg-type]
         resumed = self._resume_plan
         if resumed is not None and resumed.dataset_len != dataset_len:

@@ -3,6 +3,7 @@
 python tests/scripts/collective_contract.py --strategy ddp --out DIR            # Lightning's reference
 python tests/scripts/collective_contract.py --strategy DDP --out DIR            # a pack strategy
 torchrun --standalone --nproc-per-node 2 tests/scripts/collective_contract.py --strategy Elastic ...
+python -m lightning_dist.launch.fault_tolerant --groups 2 -- tests/scripts/collective_contract.py --strategy FaultTolerant ...
 mpirun -np 2 python tests/scripts/collective_contract.py --strategy Horovod --out DIR
 
 Two optimizer steps on a tiny linear model, then at the end of the training epoch: ``all_gather``
@@ -39,10 +40,20 @@ STRATEGIES: dict[str, Any] = {
     "DiLoCo": lambda: lightning_dist.DiLoCo(inner_steps=2),
     "Elastic": lambda: lightning_dist.Elastic(commit_every=1),
     "ElasticDiLoCo": lambda: lightning_dist.ElasticDiLoCo(inner_steps=2, commit_every=1),
+    "FaultTolerant": lambda: lightning_dist.FaultTolerant(replica_groups=2, commit_every=0),
     "Horovod": lambda: lightning_dist.Horovod(),
     "HorovodAdasum": lambda: lightning_dist.HorovodAdasum(),
 }
 """Every strategy of the pack, by class name, and Lightning's own DDPStrategy as ``ddp``."""
+
+
+def _place(module: L.LightningModule) -> tuple[int, int]:
+    """(rank, world size) of the strategy's collectives: Lightning's, except for ``FaultTolerant``,
+    whose Lightning ranks are its replica group's and whose collectives span the quorum's groups."""
+    transport = getattr(module.trainer.strategy, "transport", None)
+    if transport is not None:
+        return transport.communicator.rank, transport.communicator.world_size
+    return module.global_rank, module.trainer.strategy.world_size
 
 
 def _world() -> Any:
@@ -57,11 +68,13 @@ class Contract(L.LightningModule):
         torch.manual_seed(0)
         self.layer = nn.Linear(3, 1)
         self.got: dict[str, Tensor] = {}
+        self.rank: int | None = None
+        """This process's rank in the strategy's collectives (``_place``), seen during fit."""
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self.layer(x), y)
-        r = float(self.global_rank + 1)
+        r = float(_place(self)[0] + 1)
         self.log("log_mean", r * (batch_idx + 1), sync_dist=True)
         self.log("log_sum", r, sync_dist=True, reduce_fx="sum")
         self.log("log_max", r, sync_dist=True, reduce_fx="max")
@@ -79,7 +92,8 @@ class Contract(L.LightningModule):
         )
 
     def on_train_epoch_end(self) -> None:
-        rank, got = self.global_rank, self.got
+        (rank, world_size), got = _place(self), self.got
+        self.rank = rank
         strategy = self.trainer.strategy
         r = torch.tensor(float(rank + 1))
         vec = torch.arange(3, dtype=torch.float32) + 10 * rank
@@ -94,7 +108,7 @@ class Contract(L.LightningModule):
         with torch.enable_grad():
             leaf = (torch.arange(2, dtype=torch.float32) + rank).requires_grad_()
             gathered = self.all_gather(leaf, sync_grads=True)
-            weights = torch.arange(2 * strategy.world_size, dtype=torch.float32).reshape(-1, 2) * (rank + 1)
+            weights = torch.arange(2 * world_size, dtype=torch.float32).reshape(-1, 2) * (rank + 1)
             (gathered * weights).sum().backward()
         got["gather_grad_values"], got["gather_grad"] = gathered.detach(), leaf.grad
         for op in ("sum", "mean", "min", "max"):
@@ -115,7 +129,7 @@ class Contract(L.LightningModule):
         got["decision_any"] = torch.tensor(strategy.reduce_boolean_decision(rank == 0, all=False))
         got["decision_all_true"] = torch.tensor(strategy.reduce_boolean_decision(True, all=True))
         if self.pack and _world() is not None:  # groups of the pack's own choosing (Lightning has none)
-            everyone = dist.new_group(list(range(strategy.world_size)))
+            everyone = dist.new_group(list(range(world_size)))
             got["pack_reduce_all_ranks_group"] = strategy.reduce(vec.clone(), group=everyone, reduce_op="sum")
             subgroup = dist.new_group([0])
             try:
@@ -140,12 +154,13 @@ def main(argv: list[str] | None = None) -> None:
         default_root_dir=a.out,
     )
     trainer.fit(model)
+    rank = trainer.global_rank if model.rank is None else model.rank
     got = dict(model.got)
     for name, value in trainer.callback_metrics.items():
         if name.startswith("log_"):  # the module's own (a strategy may log its counters too)
             got[f"metric_{name}"] = value.detach().cpu()
     os.makedirs(a.out, exist_ok=True)
-    torch.save(got, os.path.join(a.out, f"rank{trainer.global_rank}.pt"))
+    torch.save(got, os.path.join(a.out, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""``FaultTolerant``'s state and commits: what a healthy group sends a recovering one, the pack's
+atomic commits (every ``commit_every`` committed steps, by the quorum's participant 0's process 0),
+a start from the newest, and a group alone behind it catching up to it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from lightning_dist.elastic.commits import Commit, CommitStore
+from lightning_dist.strategies.fault_tolerant_state import OWNER, FaultTolerantState, logger
+
+
+def resumed_message(step: int, path: object, dirpath: str, max_steps: int) -> str:
+    """What a fit that starts from a commit says: which commit, and when ``max_steps`` is already
+    reached (the fit then ends at once), how to start afresh."""
+    message = f"{OWNER}: resumed from the commit of step {step} ({path})"
+    if 0 <= max_steps <= step:
+        message += (
+            f"; Trainer(max_steps={max_steps}) is reached, nothing is left to train: to start afresh pass "
+            f"another FaultTolerant(dirpath=...) or remove {dirpath}"
+        )
+    return message
+
+
+class FaultTolerantCommits(FaultTolerantState):
+    """The state a peer sends and a commit holds, and the commits (module docstring)."""
+
+    def commit_dir(self, trainer: L.Trainer) -> str:
+        """Where the commits are: ``dirpath``, else ``<trainer.default_root_dir>/ft_commits``."""
+        return str(self.options.dirpath or os.path.join(trainer.default_root_dir, "ft_commits"))
+
+    def _model_state(self) -> Mapping[str, Tensor]:
+        assert self.lightning_module is not None
+        return self.lightning_module.state_dict()
+
+    def _state_dict(self) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        schedulers = (
+            [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+        )
+        state = {
+            "model": dict(self._model_state()),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "schedulers": schedulers,
+        }
+        if self.compression is not None:  # split with the groups this one sends it to (if any)
+            peers = 0 if self.transport is None else self.transport.recovering_peers
+            state["compressor"] = self.compression.state(1 + peers)
+        return state
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(state["model"])
+        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
+            opt.load_state_dict(opt_state)
+        trainer = self.lightning_module.trainer
+        for config, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(sched_state)
+        if self.compression is not None and "compressor" in state:
+            self.compression.receive(state["compressor"])  # applied at the step's start
+        logger.info(
+            "%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1
+        )
+
+    def _resume(self, commit: Commit) -> None:
+        """Start from ``commit``: its state loaded, torchft's step set to its step."""
+        assert self.transport is not None
+        self._load_state_dict(commit.state["state"])
+        if self.compression is not None:
+            self.compression.from_commit()
+        self.transport.resume(commit.step)
+        self.resumed_from = commit.step
+
+    def open_commits(self, trainer: L.Trainer) -> None:
+        """The commit store; a group that finds a commit there starts from it (and says so)."""
+        assert self.transport is not None
+        self.store = CommitStore(self.commit_dir(trainer), self.options.keep)
+        commit = self._agreed_commit()
+        if commit is not None:
+            # the floor: a group that finds live peers at a later step still recovers from them
+            self._resume(commit)
+            rank_zero_info(
+                resumed_message(commit.step, commit.path, self.commit_dir(trainer), trainer.max_steps)
+            )
+
+    def write_commit(self) -> None:
+        """Commit the state of the last committed step, when this group is the quorum's participant 0
+        (one writer) and no commit of that step exists."""
+        if self.store is None or self.transport is None or not self.options.commit_every:
+            return
+        step = self.transport.step
+        if self.transport.participant_rank != 0 or self._group_rank != 0 or step == 0:
+            return
+        if self.store.latest_step() == step:
+            return
+        self.store.save(step, {"state": self._state_dict(), "step": step})
+
+    def _catch_up(self) -> bool:
+        """A group alone in its quorum whose step is behind the newest commit (its peers went on and
+        ended, or died, while it was stopped or restarting) loads that commit instead of training
+        steps the job has already committed; True when it did."""
+        assert self.transport is not None
+        if self.transport.participants > 1 or self.store is None or not self.options.commit_every:
+            return False
+        latest = self.store.latest_step()
+        newest = self.transport.group_agrees(-1 if latest is None else latest)
+        if newest <= self.transport.step:
+            return False
+        commit = self._agreed_commit()
+        if commit is None or commit.step <= self.transport.step:
+            return False
+        logger.warning(
+            "%s: alone at step %d behind the commit of step %d: resuming from it",
+            OWNER,
+            self.transport.step,
+            commit.step,
+        )
+        self._resume(commit)
+        return True
+
+    def _agreed_commit(self) -> Optional[Commit]:
+        """The newest intact commit, as the group's rank 0 found it (every process loads that one)."""
+        assert self.store is not None and self.transport is not None
+        if self.transport.group is None:
+            return self.store.load_latest()
+        commit = self.store.load_latest() if self._group_rank == 0 else None
+        step = self.transport.group_agrees(-1 if commit is None else commit.step)
+        if step < 0:
+            return None
+        return commit if commit is not None else self.store.load(step)
