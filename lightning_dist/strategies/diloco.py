@@ -48,6 +48,7 @@ from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.compression.builder import build_compressor
+from lightning_dist.state import RankStates
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
@@ -59,7 +60,7 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
-from lightning_dist.strategies.rank_state import RankStateMixin, RankStates, gather_objects
+from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 
 logger = logging.getLogger(__name__)
 
