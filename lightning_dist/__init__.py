@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.ddp import DDP as DDP
     from lightning_dist.strategies.diloco import DiLoCo as DiLoCo
     from lightning_dist.strategies.elastic import Elastic as Elastic
-    from lightning_dist.strategies.elastic import ElasticDiLoCo as ElasticDiLoCo
+    from lightning_dist.strategies.elastic_diloco import ElasticDiLoCo as ElasticDiLoCo
     from lightning_dist.strategies.fault_tolerant import FaultTolerant as FaultTolerant
     from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo as FaultTolerantDiLoCo
     from lightning_dist.strategies.horovod import Horovod as Horovod

@@ -20,7 +20,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_dist import DiLoCo
 from lightning_dist.algorithms.diloco_outer import OuterSGD
 from lightning_dist.compression import Int8Quantization, PowerSGD, ring_all_reduce_bytes
-from lightning_dist.strategies.diloco import CHECKPOINT_KEY, DILOCO_COMPRESSIONS
+from lightning_dist.strategies.diloco import CHECKPOINT_KEY
+from lightning_dist.strategies.options import DILOCO_COMPRESSIONS
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 SCRIPT = str(SCRIPTS / "diloco_run.py")

@@ -37,7 +37,7 @@ from lightning_dist.elastic import commits
 from lightning_dist.launch.slurm import resolve_strategy
 from lightning_dist.strategies import Compressed, ElasticMixin
 from lightning_dist.strategies.diloco import CHECKPOINT_KEY
-from lightning_dist.strategies.elastic import ELASTIC_KEY
+from lightning_dist.strategies.elastic_commits import ELASTIC_KEY
 
 H = 4  # inner steps; test_elastic's commit_every=3 puts the commits at steps 3 and 6 mid-period
 DILOCO = ["--diloco", str(H)]

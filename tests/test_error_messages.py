@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_dist.algorithms.diloco_outer import OuterSGD
+from lightning_dist.algorithms.diloco_params import foreign_parameter_message
 from lightning_dist.cluster import netns
 from lightning_dist.collectives import Communicator, TorchBackend
 from lightning_dist.collectives.adasum import adasum_reference
@@ -19,7 +20,7 @@ from lightning_dist.collectives.exchanges import start_round
 from lightning_dist.collectives.single import SingleProcessBackend
 from lightning_dist.compression import make_compressor, simulate
 from lightning_dist.compression.packing import pack, unpack
-from lightning_dist.strategies.diloco import DiLoCo, foreign_parameter_message
+from lightning_dist.strategies.diloco import DiLoCo
 
 
 # -- DiLoCo: a parameter of the optimizer that is not the module's ---------------------------------

@@ -29,6 +29,7 @@ LAYER = {
     "elastic": 2,
     "wire": 2,
     "layout": 2,
+    "sync": 2,
     "testing": 3,
     "strategies": 3,
     "launch": 4,

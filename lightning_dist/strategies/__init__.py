@@ -15,11 +15,9 @@ if TYPE_CHECKING:
         Elastic as Elastic,
     )
     from lightning_dist.strategies.elastic import (
-        ElasticDiLoCo as ElasticDiLoCo,
-    )
-    from lightning_dist.strategies.elastic import (
         ElasticMixin as ElasticMixin,
     )
+    from lightning_dist.strategies.elastic_diloco import ElasticDiLoCo as ElasticDiLoCo
     from lightning_dist.strategies.fault_tolerant import FaultTolerant as FaultTolerant
     from lightning_dist.strategies.fault_tolerant_diloco import FaultTolerantDiLoCo as FaultTolerantDiLoCo
     from lightning_dist.strategies.horovod import Horovod as Horovod
@@ -33,7 +31,7 @@ _CLASSES = {
     "Compressed": "compressed",
     "DiLoCo": "diloco",
     "Elastic": "elastic",
-    "ElasticDiLoCo": "elastic",
+    "ElasticDiLoCo": "elastic_diloco",
     "ElasticMixin": "elastic",
     "FaultTolerant": "fault_tolerant",
     "FaultTolerantDiLoCo": "fault_tolerant_diloco",

@@ -31,7 +31,7 @@ Validation inside ``fit`` sees each rank's current weights (the local ones betwe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Optional, Union
 
@@ -39,21 +39,15 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_dist.algorithms.cpu_state import to_cpu
-from lightning_dist.algorithms.diloco_outer import OuterSGD
-from lightning_dist.collectives import Communicator
-from lightning_dist.collectives.exchanges import run_exchanges
-from lightning_dist.compression import COMPRESSORS, Compressor
-from lightning_dist.compression.builder import build_compressor
+from lightning_dist.algorithms.diloco_params import inner_parameters
+from lightning_dist.compression import Compressor
 from lightning_dist.state import RankStates
-from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.ddp import DDP
-from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
+from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import (
-    DILOCO_COMPRESSIONS,
     DiLoCoOptions,
     LaunchOptions,
     option_names,
@@ -70,212 +64,6 @@ CHECKPOINT_KEY = "lightning_dist.diloco"
 DILOCO_STATES = RankStates(
     CHECKPOINT_KEY, "DiLoCo", "the checkpoint has no DiLoCo state (saved by another strategy)"
 )
-
-
-def build_diloco_compressor(compression: Union[None, str, Compressor]) -> Compressor:
-    """The compressor for ``compression`` (None: uncompressed); ValueError naming what is accepted."""
-    return build_compressor(
-        compression,
-        COMPRESSORS,
-        argument="compression",
-        accepted=DILOCO_COMPRESSIONS,
-        refusal=" by DiLoCo (the pseudo-gradient needs an average)",
-    )
-
-
-def _persistent_float_buffers(module: nn.Module) -> list[Tensor]:
-    """Floating-point buffers that are part of the state dict (BatchNorm's running statistics)."""
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    for mod in module.modules():
-        for name, buf in mod._buffers.items():
-            if (
-                buf is not None
-                and buf.is_floating_point()
-                and name not in mod._non_persistent_buffers_set
-                and id(buf) not in seen
-            ):
-                seen.add(id(buf))
-                out.append(buf)
-    return out
-
-
-def _by_dtype(tensors: list[Tensor]) -> dict[torch.dtype, list[int]]:
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
-
-
-def average_pseudo_gradients(
-    comm: Communicator, compressor: Compressor, deltas: list[Tensor]
-) -> list[Tensor]:
-    """The average of ``deltas`` over ``comm``'s ranks through ``compressor`` (one exchange per
-    dtype, keyed ``diloco.<dtype>``): DiLoCo's pseudo-gradients, over all ranks or (``ShardedDiLoCo``)
-    over the ranks holding the same shard."""
-    out: list[Optional[Tensor]] = [None] * len(deltas)
-    for dtype, indices in _by_dtype(deltas).items():
-        ex = compressor.exchange(
-            f"diloco.{dtype}",
-            [deltas[i] for i in indices],
-            world_size=comm.world_size,
-            rank=comm.rank,
-        )
-        if comm.world_size == 1:
-            result = ex.run_local()
-        else:
-            run_exchanges(comm, [[ex]]).wait()
-            assert ex.result is not None
-            result = ex.result
-            if result[0].is_cuda:  # the exchange's kernels ran on other streams
-                torch.cuda.synchronize(result[0].device)
-        for i, t in zip(indices, result, strict=True):
-            out[i] = t
-    return [t for t in out if t is not None]
-
-
-def _unregistered_name(module: nn.Module, param: Tensor) -> Optional[str]:
-    """Where ``param`` sits in ``module`` outside its registered parameters: a plain tensor attribute
-    (``"scale"``), or a module or tensor in a plain list, tuple or dict attribute (``"blocks[1].weight"``)."""
-    for prefix, mod in module.named_modules():
-        dot = f"{prefix}." if prefix else ""
-        for attr, value in vars(mod).items():
-            if attr.startswith("_"):
-                continue
-            candidates = [(f"{dot}{attr}", value)]
-            if isinstance(value, dict):
-                candidates += [(f"{dot}{attr}[{k!r}]", v) for k, v in value.items()]
-            elif isinstance(value, (list, tuple)):
-                candidates += [(f"{dot}{attr}[{i}]", v) for i, v in enumerate(value)]
-            for name, candidate in candidates:
-                if candidate is param:
-                    return name
-                if isinstance(candidate, nn.Module):  # registered sub-modules are not in vars()
-                    for sub, p in candidate.named_parameters():
-                        if p is param:
-                            return f"{name}.{sub}"
-    return None
-
-
-def foreign_parameter_message(
-    module: nn.Module, param: Tensor, group_index: int, group: Mapping[str, Any]
-) -> str:
-    """What ``DiLoCo.setup`` raises for an optimizer parameter that is not one of ``module``'s: the
-    parameter (shape, dtype, its name where the optimizer or the module has one) and the fix."""
-    index = next(i for i, p in enumerate(group["params"]) if p is param)
-    where = f"param_groups[{group_index}]['params'][{index}]"
-    names = group.get("param_names")
-    if isinstance(names, (list, tuple)) and index < len(names):
-        where += f", named {names[index]!r} in the optimizer's param_names"
-    attr = _unregistered_name(module, param)
-    if attr is not None:
-        where += f", the module's unregistered {attr!r} (a plain attribute, list or dict: not a parameter)"
-    return (
-        f"DiLoCo: the optimizer holds a parameter that is not one of the LightningModule's parameters "
-        f"({where}; shape {tuple(param.shape)}, dtype {param.dtype}). DiLoCo averages and checkpoints the "
-        "module's parameters, so the inner optimizer must step only those: build it from self.parameters() "
-        "(or self.named_parameters()) in configure_optimizers, and register sub-modules and tensors "
-        "(nn.ModuleList/nn.ModuleDict, nn.Parameter) rather than keeping them in plain attributes."
-    )
-
-
-def inner_parameters(owner: str, module: nn.Module, optimizers: Sequence[Any]) -> list[tuple[str, Tensor]]:
-    """(name, parameter) of every parameter the one (inner) optimizer steps, each once, in its order;
-    a ValueError for several optimizers or a parameter that is not one of ``module``'s."""
-    if len(optimizers) != 1:
-        raise ValueError(
-            f"{owner} needs exactly one optimizer (the inner one), configure_optimizers returned "
-            f"{len(optimizers)}"
-        )
-    names = {id(p): n for n, p in module.named_parameters()}
-    named: list[tuple[str, Tensor]] = []
-    seen: set[int] = set()
-    for group_index, group in enumerate(optimizers[0].param_groups):
-        for p in group["params"]:
-            if id(p) in seen:
-                continue
-            if id(p) not in names:
-                raise ValueError(foreign_parameter_message(module, p, group_index, group))
-            seen.add(id(p))
-            named.append((names[id(p)], p))
-    return named
-
-
-class DiLoCoLoop(CollectiveOpsMixin):
-    """DiLoCo's schedule, shared by ``DiLoCo`` and ``ShardedDiLoCo``: the counters, a sync every
-    ``inner_steps`` optimizer steps and at the end of ``fit`` (``diloco_tail``), and the sync itself
-    (pseudo-gradients averaged over ``pseudo_gradient_comm()``, the outer step, buffers averaged over
-    all ranks). Put it before the strategy's base; the strategy sets ``outer`` and ``compressor``."""
-
-    outer: Optional[OuterSGD]
-    compressor: Compressor
-
-    def _init_loop(
-        self, inner_steps: int, outer_lr: float, outer_momentum: float, nesterov: bool, sync_buffers: bool
-    ) -> None:
-        self.inner_steps = inner_steps
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.nesterov = nesterov
-        self.sync_buffers = sync_buffers
-        self.outer = None
-        self.inner_step = 0
-        """Optimizer steps since the last sync."""
-        self.syncs = 0
-        """Syncs so far (over the whole run, resumed ones included)."""
-        self.sync_bytes = 0
-        """Bytes this rank sent for the pseudo-gradients in this process's syncs (communicator counters)."""
-        self.buffer_bytes = 0
-        """Bytes this rank sent for the buffers in this process's syncs."""
-
-    def pseudo_gradient_comm(self) -> Communicator:
-        """Over whom the pseudo-gradients are averaged: every rank (``DiLoCo``)."""
-        return self._transport()
-
-    @override
-    def setup(self, trainer: L.Trainer) -> None:
-        super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            install_tail_sync(trainer, self)
-
-    @override
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Optional[Any] = None, **kwargs: Any
-    ) -> Any:
-        """The inner step; the sync after every ``inner_steps``-th, and after the last one of ``fit``
-        (``diloco_tail``)."""
-        result = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.inner_step += 1
-        module = self.lightning_module
-        trainer = None if module is None else module._trainer
-        if self.inner_step >= self.inner_steps or (
-            trainer is not None and ends_fit(trainer, trainer.global_step + 1)
-        ):
-            self.sync()
-        return result
-
-    def sync_tail(self) -> None:
-        """Sync the inner steps since the last sync, if any: the end of ``fit`` (``diloco_tail``)."""
-        if self.outer is not None and self.inner_step > 0:
-            self.sync()
-
-    def sync(self) -> None:
-        """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
-        outer = self.outer
-        assert outer is not None, f"{type(self).__name__}.sync: setup() has not run"
-        comm = self.pseudo_gradient_comm()
-        stats = comm.stats
-        before = stats.bytes_sent
-        outer.step(average_pseudo_gradients(comm, self.compressor, outer.pseudo_gradients()))
-        middle = stats.bytes_sent
-        if self.sync_buffers and self.lightning_module is not None:
-            buffers = _persistent_float_buffers(self.lightning_module)
-            for indices in _by_dtype(buffers).values():
-                self._transport().all_reduce([buffers[i] for i in indices], "avg")
-        self.sync_bytes += middle - before
-        self.buffer_bytes += stats.bytes_sent - middle
-        self.inner_step = 0
-        self.syncs += 1
 
 
 class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
@@ -345,10 +133,8 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         assert self.lightning_module is not None
-        named = inner_parameters("DiLoCo", self.lightning_module, self.optimizers)
-        self.outer = OuterSGD(named, self.outer_lr, self.outer_momentum, self.nesterov)
-        self.inner_step = self.syncs = 0  # a checkpoint's counters are loaded after setup
-        self.sync_bytes = self.buffer_bytes = 0
+        # a checkpoint's counters are loaded after setup
+        self.diloco_sync.start(inner_parameters("DiLoCo", self.lightning_module, self.optimizers))
 
     # -- checkpoints: every rank's model and inner optimizer state, and the outer state --------------
     def _own_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:

@@ -57,15 +57,12 @@ from typing_extensions import override
 
 from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.algorithms.diloco_outer import OuterSGD
+from lightning_dist.algorithms.diloco_params import by_dtype as _by_dtype
+from lightning_dist.algorithms.diloco_params import inner_parameters
+from lightning_dist.algorithms.diloco_params import persistent_float_buffers as _persistent_float_buffers
 from lightning_dist.collectives.fault_tolerant import state_checksum
 from lightning_dist.compat import set_global_step
-from lightning_dist.strategies.diloco import (
-    _by_dtype,
-    _persistent_float_buffers,
-    average_pseudo_gradients,
-    build_diloco_compressor,
-    inner_parameters,
-)
+from lightning_dist.strategies.diloco_loop import build_diloco_compressor
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.fault_tolerant import (
     FaultTolerant,
@@ -81,6 +78,7 @@ from lightning_dist.strategies.options import (
     option_names,
     reject_unknown_options,
 )
+from lightning_dist.sync.diloco import average_pseudo_gradients
 
 logger = logging.getLogger(__name__)
 OWNER = "FaultTolerantDiLoCo"

@@ -42,10 +42,11 @@ from typing_extensions import override
 
 from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.algorithms.diloco_outer import OuterSGD
+from lightning_dist.algorithms.diloco_params import inner_parameters
 from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
 from lightning_dist.compression import Compressor
-from lightning_dist.strategies.diloco import DiLoCoLoop, build_diloco_compressor, inner_parameters
+from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
     option_names,

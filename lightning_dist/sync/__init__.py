@@ -1,0 +1,1 @@
+"""The sync parts, without Lightning: how and when replicas agree (``diloco``: DiLoCo's inner/outer loop)."""
