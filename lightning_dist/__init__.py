@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_dist.fork_safety import trace_cuda_init
 from lightning_dist.strategies import STRATEGIES
+from lightning_dist.strategies.compose import compose
 from lightning_dist.strategies.names import register_on_import
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_dist.strategies.sharded import Sharded as Sharded
     from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo as ShardedDiLoCo
 
-__all__ = [*STRATEGIES, "collectives"]
+__all__ = [*STRATEGIES, "collectives", "compose"]
 __version__ = "0.2.0"
 
 

@@ -24,6 +24,7 @@ LAYER = {
     "preflight": 0,
     "compression": 1,
     "algorithms": 1,
+    "state": 1,
     "collectives": 2,
     "elastic": 2,
     "wire": 2,

@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_dist.collectives import Communicator, SingleProcessBackend
-from lightning_dist.strategies.rank_state import RankStateMixin, RankStates, gather_objects
+from lightning_dist.state import RankStates
+from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 from lightning_dist.testing import run_in_threads
 from lightning_dist.warn import RANK_VARIABLES
 

@@ -30,9 +30,10 @@ from typing_extensions import override
 from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.compression.builder import build_compressor
+from lightning_dist.state import RankStates
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.options import COMPRESSED_REDUCE_OPS, op_name
-from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
+from lightning_dist.strategies.rank_state import RankStateMixin
 from lightning_dist.warn import warn_once
 from lightning_dist.wire.compressed_hook import CompressedHookState, compressed_hook
 
@@ -110,6 +111,13 @@ class Compressed(RankStateMixin, DDP):
         self.last_step_stats: dict[str, float] = {}
         self._step_bytes = 0
         super().__init__(reduce_op=op, **ddp_options)
+        self.training_state.register(
+            "compressor",
+            self._compressor_piece,
+            per_rank=True,
+            checkpoint=COMPRESSOR_STATES,
+            fields=self._compressor_fields,
+        )
 
     @classmethod
     @override
@@ -208,17 +216,11 @@ class Compressed(RankStateMixin, DDP):
         layout = state.layout or state.planned or {}
         return {"state": to_cpu(self.compressor.state_dict()), "layout": dict(layout)}
 
-    @override
-    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        return {**super().rank_state(checkpoint), "compressor": self.compressor_checkpoint_state()}
+    def _compressor_piece(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return self.compressor_checkpoint_state()
 
-    @override
-    def rank_state_entries(
-        self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        states = [r["compressor"] for r in ranks]
-        entry = COMPRESSOR_STATES.entry(states, self.world_size, compressor=self.compressor.name)
-        return {**super().rank_state_entries(ranks, checkpoint), **entry}
+    def _compressor_fields(self) -> dict[str, Any]:
+        return {"compressor": self.compressor.name}
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.algorithms.diloco_params import inner_parameters
 from lightning_dist.compression import Compressor
+from lightning_dist.state import RankStates
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import (
@@ -53,7 +54,7 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
-from lightning_dist.strategies.rank_state import RankStateMixin, RankStates, gather_objects
+from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,14 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         super().__init__(**options_from(LaunchOptions, locals()).as_kwargs())
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._restored_per_rank = False
+        self.training_state.register(
+            "diloco",
+            self._own_state,
+            per_rank=True,
+            checkpoint=DILOCO_STATES,
+            fields=self._entry_fields,
+            active=self._started,
+        )
 
     @classmethod
     @override
@@ -146,16 +155,18 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
             }
         )
 
-    def _entry(self, ranks: list[Any]) -> dict[str, Any]:
+    def _started(self) -> bool:
+        return self.outer is not None
+
+    def _entry_fields(self) -> dict[str, Any]:
+        """The replicated fields of DiLoCo's checkpoint entry: the counters and the outer state."""
         assert self.outer is not None, "DiLoCo: setup() has not run"
-        return DILOCO_STATES.entry(
-            ranks,
-            self.world_size,
-            inner_steps=self.inner_steps,
-            inner_step=self.inner_step,
-            syncs=self.syncs,
-            outer=self.outer.state_dict(),
-        )
+        return {
+            "inner_steps": self.inner_steps,
+            "inner_step": self.inner_step,
+            "syncs": self.syncs,
+            "outer": self.outer.state_dict(),
+        }
 
     def checkpoint_entry(self, checkpoint: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
         """``{CHECKPOINT_KEY: ...}`` on rank 0, {} on the others: every rank's weights, inner optimizer
@@ -169,19 +180,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
                 "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
             }
         ranks = gather_objects(self.rank_state_comm(), self._own_state(checkpoint))
-        return {} if ranks is None else self._entry(ranks)
-
-    @override
-    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        own = super().rank_state(checkpoint)
-        return own if self.outer is None else {**own, "diloco": self._own_state(checkpoint)}
-
-    @override
-    def rank_state_entries(
-        self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        entries = super().rank_state_entries(ranks, checkpoint)
-        return entries if self.outer is None else {**entries, **self._entry([r["diloco"] for r in ranks])}
+        return {} if ranks is None else DILOCO_STATES.entry(ranks, self.world_size, **self._entry_fields())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -100,6 +100,7 @@ class ElasticMixin(_MixinBase):
         self._elastic_num_nodes = 1  # ``num_nodes`` (DDPStrategy's own field is private)
         self._committing = False
         """Whether ``save_checkpoint`` is writing a commit (``commit``) rather than a user's checkpoint."""
+        self.training_state.register("rng", self._rng_piece, per_rank=True, active=self._is_committing)
 
     # -- (re)start ---------------------------------------------------------------------------------
     @property
@@ -224,10 +225,11 @@ class ElasticMixin(_MixinBase):
         checkpoint = {**checkpoint, **self.rank_state_entries(ranks, checkpoint)}
         self._write_commit(checkpoint, [r["rng"] for r in ranks])
 
-    @override
-    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        own = super().rank_state(checkpoint)
-        return {**own, "rng": capture_rng_state()} if self._committing else own
+    def _rng_piece(self, checkpoint: Mapping[str, Any]) -> Any:
+        return capture_rng_state()
+
+    def _is_committing(self) -> bool:
+        return self._committing
 
     def _write_commit(self, checkpoint: dict[str, Any], rng: list[Any]) -> None:
         """On rank 0: the commit of ``checkpoint`` with the data position and every rank's ``rng``."""

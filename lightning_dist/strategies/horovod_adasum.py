@@ -24,9 +24,10 @@ from typing_extensions import override
 from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.collectives import Communicator
 from lightning_dist.compression import Compressor
+from lightning_dist.state import RankStates
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
 from lightning_dist.strategies.options import normalize_op, reject_unknown_options
-from lightning_dist.strategies.rank_state import RankStateMixin, RankStates
+from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,9 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
             )
         reject_unknown_options(type(self).__name__, unknown, HOROVOD_OPTIONS)
         super().__init__(lr_scale, accelerator, checkpoint_io, precision_plugin)
+        self.training_state.register(
+            "optimizer_states", self._optimizer_states_piece, per_rank=True, checkpoint=OPTIMIZER_STATES
+        )
         self.op = "adasum"
         self.compression = None
         self.compressor = None
@@ -126,17 +130,8 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
     def rank_state_comm(self) -> Communicator:
         return self._backend_communicator()  # after ``fit`` too (``trainer.save_checkpoint``)
 
-    @override
-    def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        own = to_cpu(list(checkpoint["optimizer_states"]))
-        return {**super().rank_state(checkpoint), "optimizer_states": own}
-
-    @override
-    def rank_state_entries(
-        self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
-    ) -> dict[str, Any]:
-        entry = OPTIMIZER_STATES.entry([r["optimizer_states"] for r in ranks], self.world_size)
-        return {**super().rank_state_entries(ranks, checkpoint), **entry}
+    def _optimizer_states_piece(self, checkpoint: Mapping[str, Any]) -> list[Any]:
+        return to_cpu(list(checkpoint["optimizer_states"]))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -4,18 +4,14 @@ weights, HorovodAdasum's optimizer moments, Elastic's RNG), gathered once and pi
     STATES = RankStates("lightning_dist.x", "X", missing="the checkpoint has no X state")
 
     class X(RankStateMixin, DDP):
-        def rank_state(self, checkpoint):                  # this rank's part: picklable, CPU tensors
-            return {**super().rank_state(checkpoint), "x": self.own_state()}
-
-        def rank_state_entries(self, ranks, checkpoint):   # on rank 0, from every rank's part
-            entry = STATES.entry([r["x"] for r in ranks], self.world_size)
-            return {**super().rank_state_entries(ranks, checkpoint), **entry}
+        def __init__(self):                                # this rank's part: picklable, CPU tensors
+            self.training_state.register("x", self.x_state, per_rank=True, checkpoint=STATES)
 
         def load_optimizer_state_dict(self, checkpoint):   # each rank its own, or the fallback
             own = STATES.select(checkpoint.get(STATES.key), self.global_rank, self.world_size,
                                 fallback="X starts afresh")
 
-Saving gathers every rank's ``rank_state`` to rank 0 in one collective (``gather_objects``), however
+Saving gathers every rank's registered pieces (``rank_state``) to rank 0 in one collective (``gather_objects``), however
 many strategy layers contribute (``ElasticDiLoCo``: RNG and DiLoCo's state). An entry is
 ``{"world_size": W, ...fields, "ranks": [rank r's state for r < W]}``; on load each rank takes its
 own, and a checkpoint without the entry or from another world size gives ``None`` after exactly
@@ -25,8 +21,7 @@ one warning (``warn_once``) that says what the strategy does instead.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -34,10 +29,10 @@ from typing_extensions import override
 
 from lightning_dist.collectives import Communicator
 from lightning_dist.compat import _PATH
+from lightning_dist.state import StateRegistry
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
-from lightning_dist.warn import warn_once
 
-__all__ = ["RankStateMixin", "RankStates", "gather_objects"]
+__all__ = ["RankStateMixin", "gather_objects"]
 
 
 def gather_objects(comm: Communicator, obj: Any, root: int = 0) -> Optional[list[Any]]:
@@ -69,75 +64,34 @@ def gather_objects(comm: Communicator, obj: Any, root: int = 0) -> Optional[list
     return out
 
 
-@dataclass(frozen=True)
-class RankStates:
-    """A checkpoint entry under ``key`` holding every rank's state, and its rules on load.
-
-    Args:
-        key: the checkpoint's key (``"lightning_dist.compressed"``).
-        owner: who warns (``"Compressed"``): the warning starts with it.
-        missing: the problem when a checkpoint lacks the entry (``"the checkpoint has no ..."``).
-    """
-
-    key: str
-    owner: str
-    missing: str
-
-    def entry(self, ranks: Sequence[Any], world_size: int, **fields: Any) -> dict[str, Any]:
-        """``{key: {"world_size": W, **fields, "ranks": [...]}}`` for rank 0's checkpoint."""
-        return {self.key: {"world_size": world_size, **fields, "ranks": list(ranks)}}
-
-    def problem(self, saved: Optional[Mapping[str, Any]], world_size: int) -> Optional[str]:
-        """Why this run cannot take its own rank's state from ``saved`` (the entry), or None."""
-        if saved is None:
-            return self.missing
-        if saved.get("world_size") != world_size or len(saved.get("ranks", ())) != world_size:
-            return (
-                f"the checkpoint was saved at world size {saved.get('world_size')}, this run has {world_size}"
-            )
-        return None
-
-    def select(
-        self,
-        saved: Optional[Mapping[str, Any]],
-        rank: int,
-        world_size: int,
-        fallback: str,
-        warn: bool = True,
-        stacklevel: int = 2,
-    ) -> Optional[Any]:
-        """Rank ``rank``'s state from ``saved``; or, when ``problem`` says it has none for this run,
-        ``None`` after one warning ``"<owner>: <problem>; <fallback>"`` (shown once, by rank 0: every
-        rank meets the same problem). ``fallback`` says what the strategy does instead: what is
-        dropped or reset; ``warn=False`` where that loses nothing. ``stacklevel`` counts from the
-        caller, as ``warnings.warn``'s."""
-        problem = self.problem(saved, world_size)
-        if problem is None:
-            assert saved is not None
-            return saved["ranks"][rank]
-        if warn:
-            warn_once(f"{self.owner}: {problem}; {fallback}", stacklevel=stacklevel + 1)
-        return None
-
-
 class RankStateMixin(CollectiveOpsMixin):
-    """``save_checkpoint`` adds every rank's ``rank_state`` to rank 0's checkpoint, gathered in one
+    """``save_checkpoint`` adds every rank's per-rank state to rank 0's checkpoint, gathered in one
     collective; put it before the strategy's Lightning base (``class DiLoCo(RankStateMixin, DDP)``).
 
-    Subclasses extend ``rank_state`` and ``rank_state_entries`` cooperatively (``super()``), each
-    under its own key of the per-rank dict, so stacked strategies (``ElasticDiLoCo``) still gather once.
+    The state is what the strategy's parts registered in ``training_state`` (a ``StateRegistry``
+    the strategy owns). Subclasses not yet on the registry extend ``rank_state`` and
+    ``rank_state_entries`` cooperatively (``super()``), each under its own key of the per-rank dict,
+    so stacked strategies (``ElasticDiLoCo``) still gather once.
     """
+
+    @property
+    def training_state(self) -> StateRegistry:
+        """The strategy's registry of training state (made on first use)."""
+        registry = self.__dict__.get("_training_state")
+        if registry is None:
+            registry = self.__dict__["_training_state"] = StateRegistry()
+        return registry
 
     def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's state for ``checkpoint`` (what ``trainer.save_checkpoint`` dumped), picklable
-        with CPU tensors, under one key per contributor; ``{}`` (on every rank alike) gathers nothing."""
-        return {}
+        with CPU tensors, under one key per piece; ``{}`` (on every rank alike) gathers nothing."""
+        return self.training_state.own(checkpoint)
 
     def rank_state_entries(
         self, ranks: list[dict[str, Any]], checkpoint: Mapping[str, Any]
     ) -> dict[str, Any]:
         """On rank 0: the entries its checkpoint gets from every rank's ``rank_state`` (``ranks``)."""
-        return {}
+        return self.training_state.entries(ranks, len(ranks))  # every rank of the gathering group
 
     def rank_state_comm(self) -> Communicator:
         """The communicator the per-rank states are gathered over: the strategy's own."""
