@@ -12,11 +12,15 @@ import torch
 
 from lightning_dist.compression import make_compressor
 from lightning_dist.layout.sharded_checkpoint import CHECKPOINT_KEY, ShardedCheckpoints
-from lightning_dist.layout.sharded_layout import RankStateEntry, ShardedLayout
+from lightning_dist.layout.sharded_layout import ShardedLayout
+from lightning_dist.state import StateRegistry
 
 
-def layout(replicas: int = 2, replica_sync: Any = "none", reduce_op: str = "avg") -> ShardedLayout:
-    return ShardedLayout(replicas, None, 1024, False, replica_sync, reduce_op)
+def layout(
+    replicas: int = 2, replica_sync: Any = "none", reduce_op: str = "avg", state: Any = None
+) -> ShardedLayout:
+    registry = StateRegistry() if state is None else state
+    return ShardedLayout(replicas, None, 1024, False, replica_sync, reduce_op, registry)
 
 
 def test_bad_replica_sync_and_world_sizes_are_refused_naming_what_is_accepted() -> None:
@@ -40,24 +44,31 @@ def test_no_replica_hook_with_one_replica_group_or_without_replica_gradients() -
 
 
 def test_another_parts_entry_is_saved_while_held_and_loaded_back() -> None:
-    part = layout()
+    """The layout's pieces and another part's share the strategy's registry (one per-rank entry)."""
+    registry = StateRegistry()
+    layout(state=registry)
     mine = {"momentum": torch.arange(3.0)}
     loaded: list[Any] = []
-    part.add_rank_state(
-        "mine", RankStateEntry(lambda: mine, loaded.append, lambda: bool(mine), ("my momentum",))
+    registry.register(
+        "mine",
+        lambda c: mine,
+        per_rank=True,
+        active=lambda: bool(mine),
+        load=loaded.append,
+        words=("my momentum",),
     )
-    assert part.rank_state_names() == [
+    assert registry.words() == [
         "error-feedback residuals",
         "replica-sync compressor state",
         "my momentum",
     ]
-    assert part.holds_rank_state()
-    state = part.rank_state()
-    assert list(state) == ["replica_sync", "mine"] and state["mine"] is mine
-    part.load_rank_state(state, torch.device("cpu"))
+    assert registry.held()
+    state = registry.own({})
+    assert list(state) == ["mine"] and state["mine"] is mine, "empty layout state is not saved"
+    assert registry.load({**state, "other": 1}) == ["other"], "another strategy's piece is left out"
     assert loaded == [mine]
     mine.clear()
-    assert not part.holds_rank_state() and "mine" not in part.rank_state()
+    assert not registry.held() and "mine" not in registry.own({})
 
 
 def test_the_rank_state_round_trips_through_the_distributed_checkpoint(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -31,24 +30,11 @@ from lightning_dist.layout.sharding_policy import (
     split_ties,
     unsharded_parameters,
 )
+from lightning_dist.state import StateRegistry
 from lightning_dist.wire.sharded_comm import PackAllGather, PackReduceScatter, ReplicaSync
 from lightning_dist.wire.sharded_landing import Landing, PendingGradients
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RankStateEntry:
-    """A piece of per-rank state another part adds to the layout's (``ShardedLayout.add_rank_state``)."""
-
-    save: Callable[[], Any]
-    """This rank's state (CPU tensors and plain values), called while ``held()``."""
-    load: Callable[[Any], None]
-    """Restores what ``save`` returned, on a resume at the same layout."""
-    held: Callable[[], bool]
-    """Whether there is state to save (a full checkpoint would lose it)."""
-    names: tuple[str, ...]
-    """What it holds, in words (for the warning of a resume that drops it)."""
 
 
 class ShardedLayout:
@@ -70,6 +56,7 @@ class ShardedLayout:
         error_feedback: bool,
         replica_sync: Union[str, Compressor],
         reduce_op: str,
+        state: StateRegistry,
     ) -> None:
         sync = build_compressor(replica_sync, COMPRESSORS, argument="replica_sync")
         if reduce_op == "adasum" and not sync.supports_adasum:
@@ -94,7 +81,22 @@ class ShardedLayout:
         self.pending_gradients = PendingGradients()
         """The reduce-scatters and replica syncs left in flight in the running backward (CPU)."""
         self.checkpoints = ShardedCheckpoints()
-        self._more_state: dict[str, RankStateEntry] = {}
+        state.register(
+            "residuals",
+            self._residuals,
+            per_rank=True,
+            active=self._residuals_held,
+            load=self._load_residuals,
+            words=("error-feedback residuals",),
+        )
+        state.register(
+            "replica_sync",
+            self._replica_sync_state,
+            per_rank=True,
+            active=self._replica_sync_holds,
+            load=self.replica_sync.load_state_dict,
+            words=("replica-sync compressor state",),
+        )
 
     # -- mesh and communicators ---------------------------------------------------------------------
     @property
@@ -217,43 +219,23 @@ class ShardedLayout:
             pending=self.pending_gradients,
         )
 
-    # -- this rank's own state ----------------------------------------------------------------------
-    def add_rank_state(self, key: str, entry: RankStateEntry) -> None:
-        """One more piece of this rank's state, under ``key`` (another part's: DiLoCo over shards)."""
-        self._more_state[key] = entry
+    # -- this rank's own state (pieces of the strategy's StateRegistry) -----------------------------
+    def _replica_sync_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        return to_cpu(self.replica_sync.state_dict())
 
-    def rank_state(self) -> dict[str, Any]:
-        """This rank's own state (CPU tensors and plain values): the replica sync's compressor state,
-        the error-feedback residuals and each added entry that is held."""
-        state: dict[str, Any] = {"replica_sync": to_cpu(self.replica_sync.state_dict())}
-        residuals = {
-            str(i): rs.residual for i, rs in enumerate(self.reduce_scatters) if rs.residual is not None
-        }
-        if residuals:
-            state["residuals"] = to_cpu(residuals)
-        return {**state, **{k: e.save() for k, e in self._more_state.items() if e.held()}}
+    def _replica_sync_holds(self) -> bool:
+        return bool(self.replica_sync.state_dict()["keys"])
 
-    def load_rank_state(self, state: Mapping[str, Any], device: torch.device) -> None:
-        """Restore what ``rank_state`` returned on this rank (residuals onto ``device``)."""
-        self.replica_sync.load_state_dict(state["replica_sync"])
-        for key, residual in state.get("residuals", {}).items():
-            self.reduce_scatters[int(key)].residual = residual.to(device)
-        for key, entry in self._more_state.items():
-            if key in state:
-                entry.load(state[key])
+    def _residuals(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        held = {str(i): rs.residual for i, rs in enumerate(self.reduce_scatters) if rs.residual is not None}
+        return to_cpu(held)
 
-    def holds_rank_state(self) -> bool:
-        """Whether this rank holds state a full (gathered) checkpoint would lose."""
-        return (
-            bool(self.replica_sync.state_dict()["keys"])
-            or any(rs.residual is not None for rs in self.reduce_scatters)
-            or any(e.held() for e in self._more_state.values())
-        )
+    def _residuals_held(self) -> bool:
+        return any(rs.residual is not None for rs in self.reduce_scatters)
 
-    def rank_state_names(self) -> list[str]:
-        """What ``rank_state`` holds, in words (for the warning of a resume that drops it)."""
-        own = ["error-feedback residuals", "replica-sync compressor state"]
-        return own + [name for entry in self._more_state.values() for name in entry.names]
+    def _load_residuals(self, residuals: Mapping[str, Any]) -> None:
+        for key, residual in residuals.items():  # moved to the gradients' device at their first use
+            self.reduce_scatters[int(key)].residual = residual
 
     def describe(self) -> dict[str, Any]:
         """The layout a checkpoint was written at (per-rank state loads only at the same one)."""

@@ -41,7 +41,10 @@ class StateEntry:
         per_rank: it differs between ranks (saved once per rank), else it is replicated.
         checkpoint: where Lightning's gathered checkpoint keeps it (None: not in that checkpoint).
         fields: extra fields of its checkpoint entry (``{"compressor": "int8"}``), read at save time.
-        active: whether the piece has state to save now.
+        active: whether the piece has state to save now (state a resume would otherwise lose).
+        load: restores what ``save`` returned (the savers that hand a rank its own pieces back: the
+            distributed checkpoint's per-rank entry); None where the strategy loads it itself.
+        words: what it holds, in words, for the warning of a resume that drops it.
     """
 
     name: str
@@ -50,6 +53,8 @@ class StateEntry:
     checkpoint: Optional[RankStates] = None
     fields: Callable[[], Mapping[str, Any]] = dict
     active: Callable[[], bool] = always
+    load: Optional[Callable[[Any], None]] = None
+    words: tuple[str, ...] = ()
 
 
 @dataclass
@@ -67,11 +72,15 @@ class StateRegistry:
         checkpoint: Optional[RankStates] = None,
         fields: Optional[Callable[[], Mapping[str, Any]]] = None,
         active: Optional[Callable[[], bool]] = None,
+        load: Optional[Callable[[Any], None]] = None,
+        words: tuple[str, ...] = (),
     ) -> None:
         """Add a piece; a name registered twice is a programming error (two parts claiming one name)."""
         if name in self.pieces:
             raise ValueError(f"StateRegistry: {name!r} is registered already; every piece has one name")
-        self.pieces[name] = StateEntry(name, save, per_rank, checkpoint, fields or dict, active or always)
+        self.pieces[name] = StateEntry(
+            name, save, per_rank, checkpoint, fields or dict, active or always, load, words
+        )
 
     def names(self, *, per_rank: Optional[bool] = None) -> list[str]:
         """The registered names (only per-rank or only replicated ones when ``per_rank`` is given)."""
@@ -82,6 +91,26 @@ class StateRegistry:
         return {
             n: p.save(checkpoint) for n, p in self.pieces.items() if p.per_rank == per_rank and p.active()
         }
+
+    def held(self) -> bool:
+        """Whether this rank holds per-rank state now (a gathered-only save would have to keep it)."""
+        return any(p.per_rank and p.active() for p in self.pieces.values())
+
+    def words(self) -> list[str]:
+        """What the per-rank pieces hold, in words."""
+        return [w for p in self.pieces.values() if p.per_rank for w in p.words]
+
+    def load(self, saved: Mapping[str, Any]) -> list[str]:
+        """Hand each piece in ``saved`` (what ``own`` returned on this rank) back to its ``load``;
+        returns the names no piece here loads (state of another strategy), which are left out."""
+        left = []
+        for name, value in saved.items():
+            piece = self.pieces.get(name)
+            if piece is None or piece.load is None:
+                left.append(name)
+            else:
+                piece.load(value)
+        return left
 
     def entries(self, ranks: Sequence[Mapping[str, Any]], world_size: int) -> dict[str, Any]:
         """On the gathering rank: one Lightning checkpoint entry per piece saved by every rank

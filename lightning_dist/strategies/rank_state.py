@@ -32,7 +32,7 @@ from lightning_dist.compat import _PATH
 from lightning_dist.state import StateRegistry
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 
-__all__ = ["RankStateMixin", "gather_objects"]
+__all__ = ["RankStateMixin", "TrainingStateMixin", "gather_objects"]
 
 
 def gather_objects(comm: Communicator, obj: Any, root: int = 0) -> Optional[list[Any]]:
@@ -64,15 +64,8 @@ def gather_objects(comm: Communicator, obj: Any, root: int = 0) -> Optional[list
     return out
 
 
-class RankStateMixin(CollectiveOpsMixin):
-    """``save_checkpoint`` adds every rank's per-rank state to rank 0's checkpoint, gathered in one
-    collective; put it before the strategy's Lightning base (``class DiLoCo(RankStateMixin, DDP)``).
-
-    The state is what the strategy's parts registered in ``training_state`` (a ``StateRegistry``
-    the strategy owns). Subclasses not yet on the registry extend ``rank_state`` and
-    ``rank_state_entries`` cooperatively (``super()``), each under its own key of the per-rank dict,
-    so stacked strategies (``ElasticDiLoCo``) still gather once.
-    """
+class TrainingStateMixin:
+    """A strategy's ``training_state``: the ``StateRegistry`` its parts register their pieces in."""
 
     @property
     def training_state(self) -> StateRegistry:
@@ -81,6 +74,17 @@ class RankStateMixin(CollectiveOpsMixin):
         if registry is None:
             registry = self.__dict__["_training_state"] = StateRegistry()
         return registry
+
+
+class RankStateMixin(TrainingStateMixin, CollectiveOpsMixin):
+    """``save_checkpoint`` adds every rank's per-rank state to rank 0's checkpoint, gathered in one
+    collective; put it before the strategy's Lightning base (``class DiLoCo(RankStateMixin, DDP)``).
+
+    The state is what the strategy's parts registered in ``training_state`` (a ``StateRegistry``
+    the strategy owns). Subclasses not yet on the registry extend ``rank_state`` and
+    ``rank_state_entries`` cooperatively (``super()``), each under its own key of the per-rank dict,
+    so stacked strategies (``ElasticDiLoCo``) still gather once.
+    """
 
     def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's state for ``checkpoint`` (what ``trainer.save_checkpoint`` dumped), picklable

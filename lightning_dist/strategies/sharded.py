@@ -49,13 +49,14 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
+from lightning_dist.strategies.rank_state import TrainingStateMixin
 from lightning_dist.warn import warn_once
 from lightning_dist.wire.sharded_landing import PendingGradients
 
 logger = logging.getLogger(__name__)
 
 
-class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
+class Sharded(TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2, or HSDP with ``replicas > 1``) with the pack's communication.
 
     Args:
@@ -99,6 +100,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             options.error_feedback,
             options.replica_sync,
             options.reduce_op,
+            self.training_state,
         )
         """The sharded layout part: mesh, policy, FSDP2's collectives, per-rank checkpoint state."""
         super().__init__(
@@ -211,7 +213,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
     ) -> None:
         if not self._save_distributed_checkpoint:
-            if self.layout.holds_rank_state():
+            if self.training_state.held():
                 warn_once(
                     "Sharded: save_distributed_checkpoint=False writes one full checkpoint without the "
                     f"per-rank state ({self._state_names()}); a resume from it starts that state afresh"
@@ -227,7 +229,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
         if path.is_file():
             path.unlink()
         path.mkdir(parents=True, exist_ok=True)
-        rank_state = self.layout.rank_state()
+        rank_state = self.training_state.own(checkpoint)
         checkpoint[CHECKPOINT_KEY] = self.layout.describe()
         # in the background only inside fit: its teardown waits; a save after it is written at once
         self.layout.checkpoints.save(checkpoint, path, self.global_rank, rank_state, self._fitting())
@@ -262,11 +264,11 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
             return checkpoint
         path = Path(self.broadcast(checkpoint_path))
         saved_state = self.layout.checkpoints.load_rank_state(path, self.global_rank)
-        self.layout.load_rank_state(saved_state, self.root_device)
+        self.training_state.load(saved_state)
         return checkpoint
 
     def _state_names(self) -> str:
-        return ", ".join(self.layout.rank_state_names())
+        return ", ".join(self.training_state.words())
 
     @classmethod
     @override

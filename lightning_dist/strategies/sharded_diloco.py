@@ -50,7 +50,6 @@ from lightning_dist.layout.sharded_checkpoint import (
     local_shard,
     restore_local_optimizer_state,
 )
-from lightning_dist.layout.sharded_layout import RankStateEntry
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
@@ -128,8 +127,14 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         except ValueError as error:  # Sharded's compression is ShardedDiLoCo's shard_compression
             raise ValueError(re.sub(r"\bcompression=", "shard_compression=", str(error))) from None
         self.layout.replica_gradients = False  # replica groups exchange pseudo-gradients instead
-        entry = RankStateEntry(self._rank_state, self._load_rank_state, self._holds_rank_state, DROPPED)
-        self.layout.add_rank_state("diloco", entry)
+        self.training_state.register(
+            "diloco",
+            self._rank_state,
+            per_rank=True,
+            active=self._holds_rank_state,
+            load=self._load_rank_state,
+            words=DROPPED,
+        )
         self._auto_replicas = replicas == "auto"
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
         self._names: dict[int, str] = {}
@@ -195,7 +200,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
                 state[name] = like_param(anchor.detach().to(param.dtype).cpu(), param)
         return state
 
-    def _rank_state(self) -> dict[str, Any]:
+    def _rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's current shard, inner optimizer state, outer state and compressor state."""
         outer = self.outer
         assert outer is not None
