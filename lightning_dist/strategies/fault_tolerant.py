@@ -158,6 +158,7 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
                 compressor, COMPRESSORS, options=compressor_options, owner=OWNER, strategy_options=accepted
             )
             self.compression = CompressedGradients(built)
+        self.register_peer_state()
         self.verbose = verbose_wanted(self.options.verbose)
         configure_torchft_logs(self.verbose)  # before torchft's first import: its servers read RUST_LOG then
         require_torchft(OWNER)

@@ -39,31 +39,63 @@ class FaultTolerantCommits(FaultTolerantState):
         assert self.lightning_module is not None
         return self.lightning_module.state_dict()
 
-    def _state_dict(self) -> dict[str, Any]:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        schedulers = (
-            [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+    # -- what a peer sends and a commit holds: pieces of the strategy's StateRegistry ---------------
+    def register_peer_state(self) -> None:
+        """Register the replicated state a healthy group sends a recovering one (torchft's live
+        transfer) and a commit holds: the weights, the optimizers, the schedulers, the compressor."""
+        state = self.training_state
+        state.register("model", self._model_piece, per_rank=False, load=self._load_model)
+        state.register("optimizers", self._optimizers_piece, per_rank=False, load=self._load_optimizers)
+        state.register("schedulers", self._schedulers_piece, per_rank=False, load=self._load_schedulers)
+        state.register(
+            "compressor",
+            self._compressor_piece,
+            per_rank=False,
+            active=self._compresses,
+            load=self._receive_compressor,
         )
-        state = {
-            "model": dict(self._model_state()),
-            "optimizers": [opt.state_dict() for opt in self.optimizers],
-            "schedulers": schedulers,
-        }
-        if self.compression is not None:  # split with the groups this one sends it to (if any)
-            peers = 0 if self.transport is None else self.transport.recovering_peers
-            state["compressor"] = self.compression.state(1 + peers)
-        return state
+
+    def _model_piece(self, checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:
+        return dict(self._model_state())
+
+    def _optimizers_piece(self, checkpoint: Mapping[str, Any]) -> list[Any]:
+        return [opt.state_dict() for opt in self.optimizers]
+
+    def _schedulers_piece(self, checkpoint: Mapping[str, Any]) -> list[Any]:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return [] if trainer is None else [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+
+    def _compresses(self) -> bool:
+        return self.compression is not None
+
+    def _compressor_piece(self, checkpoint: Mapping[str, Any]) -> Any:
+        assert self.compression is not None
+        peers = 0 if self.transport is None else self.transport.recovering_peers
+        return self.compression.state(1 + peers)  # split with the groups this one sends it to (if any)
+
+    def _load_model(self, state: Mapping[str, Tensor]) -> None:
+        assert self.lightning_module is not None
+        self.lightning_module.load_state_dict(state)
+
+    def _load_optimizers(self, states: list[Any]) -> None:
+        for opt, opt_state in zip(self.optimizers, states, strict=True):
+            opt.load_state_dict(opt_state)
+
+    def _load_schedulers(self, states: list[Any]) -> None:
+        assert self.lightning_module is not None
+        configs = self.lightning_module.trainer.lr_scheduler_configs
+        for config, sched_state in zip(configs, states, strict=True):
+            config.scheduler.load_state_dict(sched_state)
+
+    def _receive_compressor(self, state: Any) -> None:
+        if self.compression is not None:
+            self.compression.receive(state)  # applied at the step's start
+
+    def _state_dict(self) -> dict[str, Any]:
+        return self.training_state.own({}, per_rank=False)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
-        assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(state["model"])
-        for opt, opt_state in zip(self.optimizers, state["optimizers"], strict=True):
-            opt.load_state_dict(opt_state)
-        trainer = self.lightning_module.trainer
-        for config, sched_state in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
-            config.scheduler.load_state_dict(sched_state)
-        if self.compression is not None and "compressor" in state:
-            self.compression.receive(state["compressor"])  # applied at the step's start
+        self.training_state.load(state)
         logger.info(
             "%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1
         )

@@ -16,6 +16,7 @@ from lightning_dist.collectives.fault_tolerant import FaultTolerantTransport
 from lightning_dist.elastic.commits import CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.options import FaultTolerantOptions
+from lightning_dist.strategies.rank_state import TrainingStateMixin
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
 
 logger = logging.getLogger("lightning_dist.strategies.fault_tolerant")
@@ -31,7 +32,7 @@ class StepRecord:
     participants: int
 
 
-class FaultTolerantState(SingleDeviceStrategy):
+class FaultTolerantState(TrainingStateMixin, SingleDeviceStrategy):
     """The attributes ``FaultTolerant``'s parts read and write (set before the parts run)."""
 
     options: FaultTolerantOptions
