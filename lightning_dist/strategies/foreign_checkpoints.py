@@ -67,7 +67,7 @@ def optimizer_state_by_index(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _held_rank_state(entries: list[Any]) -> list[str]:
-    """What Sharded's per-rank entries held (``ShardedLayout.rank_state_names``, in words), or ``[]``."""
+    """What Sharded's per-rank entries held (in words, as the pieces' ``words`` say), or ``[]``."""
     held: set[str] = set()
     for entry in entries:
         raw = entry.getvalue() if isinstance(entry, io.BytesIO) else entry
