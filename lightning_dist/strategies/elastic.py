@@ -58,6 +58,7 @@ from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.diloco import DiLoCo
+from lightning_dist.strategies.launch_needs import TORCHRUN
 from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.warn import warn_once
 
@@ -140,6 +141,8 @@ class ElasticMixin(_MixinBase):
     goes into every commit, gathered in the same collective as the ranks' RNG states. Options: see
     ``Elastic``.
     """
+
+    launch_needs = TORCHRUN
 
     def _init_elastic(self, options: ElasticOptions) -> None:
         """Set the elastic state from the (checked) elastic options."""

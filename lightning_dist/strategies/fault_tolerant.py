@@ -86,6 +86,7 @@ from lightning_dist.compression.packing import unflatten
 from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.strategies.compressed import build_compressor
+from lightning_dist.strategies.launch_needs import TORCHFT
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
@@ -213,6 +214,7 @@ class FaultTolerant(SingleDeviceStrategy):
     """
 
     strategy_name = "ld_fault_tolerant"
+    launch_needs = TORCHFT
     checks_group_sizes = True
     """Whether each new quorum's first step checks that every group has as many processes as this
     one (a collective: every group of a quorum must make it at the same point of its step)."""

@@ -74,6 +74,7 @@ from lightning_dist.strategies.fault_tolerant import (
     group_place,
     owns_slot,
 )
+from lightning_dist.strategies.launch_needs import TORCHFT_ONE_PROCESS
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
     FaultTolerantDiLoCoOptions,
@@ -120,6 +121,7 @@ class FaultTolerantDiLoCo(FaultTolerant):
     """
 
     strategy_name = "ld_fault_tolerant_diloco"
+    launch_needs = TORCHFT_ONE_PROCESS
     checks_group_sizes = False
     """One process per group (``setup_environment``); and groups waiting at a sync form quorums
     outside a step's start, where no check could be made at the same point by every group."""

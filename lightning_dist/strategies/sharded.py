@@ -60,6 +60,7 @@ from lightning_dist.layout.sharding_policy import (
     unsharded_parameters,
 )
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
+from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import (
     PROCESS_GROUP_BACKENDS,
@@ -98,6 +99,7 @@ class Sharded(CollectiveOpsMixin, ModelParallelStrategy):
     """
 
     strategy_name = "ld_sharded"
+    launch_needs = LIGHTNING
 
     def __init__(
         self,
