@@ -1,46 +1,14 @@
 """sbatch scripts for a strategy: ``lightning-dist slurm`` (and ``--submit``).
 
-One script per job: N nodes x G devices, a strategy name (which decides how the ranks start) and the
-training command. A strategy class says how its ranks start in ``launch_needs``
-(``lightning_dist/strategies/launch_needs.py``); the script follows from that. What each family gets:
-
-- DDP family (``ld_ddp``, ``DDP``, ``compressed_*``, ``Compressed``, ``ld_diloco*``, ``DiLoCo``,
-  ``ld_sharded*``, ``Sharded``, ``ShardedDiLoCo``, Lightning's ``ddp``):
-  ``srun --ntasks-per-node=G``: one task per device, Lightning's ``SLURMEnvironment`` reads the ranks.
-- Horovod (``horovod*``, ``Horovod``, ``horovod_adasum``, ``HorovodAdasum``): one MPI job of N x G
-  ranks: ``srun --mpi=pmix`` when SLURM has the PMIx plugin, otherwise ``mpirun`` over the job's nodes.
-- Elastic (``ld_elastic*``, ``Elastic``, ``ElasticDiLoCo``): one ``torchrun`` per node, c10d rendezvous on the first node,
-  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torch's shared rendezvous store loses the round when a
-  node leaves and joins again).
-- FaultTolerant (``ld_fault_tolerant*``, ``FaultTolerant``): torchft's Lighthouse in the batch shell
-  on the first node, and one replica group per node (``python -m lightning_dist.launch.fault_tolerant
-  --group $SLURM_NODEID``: a warm standby and its torchrun of ``--devices`` processes,
-  ``--nproc-per-group``; ``FaultTolerantDiLoCo``: 1); a group that dies is restarted by its torchrun
-  while the others train on.
-- ``HorovodElastic`` (``ld_horovod_elastic``) is refused: it needs horovodrun's elastic driver.
-
-A class is launched as its registered names are: ``--strategy DiLoCo`` or
-``lightning_dist:DiLoCo(inner_steps=8)`` as ``ld_diloco``.
-
-Requeue (default): ``#SBATCH --requeue`` and a signal ``--signal-seconds`` before the time limit.
-For the DDP and Horovod families SLURM sends SIGUSR1 to every task: Lightning's ``SLURMEnvironment``
-(``auto_requeue=True``) saves ``<default_root_dir>/hpc_ckpt_<n>.ckpt`` and runs ``scontrol requeue``;
-the requeued run's ``Trainer.fit`` resumes from the newest ``hpc_ckpt_*.ckpt`` by itself. For Elastic,
-FaultTolerant (and Horovod under mpirun) the batch shell gets the signal (``B:``): those two resume
-from their own commits, so the script just requeues; under mpirun it forwards the signal to mpirun, which passes it
-to the ranks.
-
-``--devices`` is one thing everywhere: the devices (GPUs, or CPU processes) of each node, one rank
-per device. It is ``#SBATCH --ntasks-per-node`` (Elastic: one torchrun task per node with
-``--nproc-per-node``), the Trainer's ``devices`` (Horovod: every rank has ``devices=1``) and, on GPUs,
-``#SBATCH --gpus-per-node`` unless ``--gpus-per-node`` or a GPU ``--gres`` says otherwise.
-
-The training command is not told twice (``--trainer-flags``): when it runs the package's trainer
-(``examples/train.py``, ``python -m lightning_dist.workload.train``), whose flags are known, the
-``--strategy``, ``--devices``, ``--accelerator`` and (DDP family) ``--num-nodes`` it leaves out are
-appended from the job, and one it gives must agree with the job (a ``ValueError`` names both values).
-The ``lightning-dist slurm`` command also works the other way: an option it is not given is taken
-from the training command.
+One script per job: N nodes x G devices of a strategy running a training command. The strategy
+class's ``launch_needs`` (``lightning_dist/strategies/launch_needs.py``) decide how the ranks start:
+srun with one task per device (Lightning's ``SLURMEnvironment``), one MPI job (``srun --mpi=pmix``,
+else mpirun), one torchrun per node (c10d rendezvous on the first node) or torchft's Lighthouse and
+one replica group per node; or the class is refused, saying why. With requeue (the default) SIGUSR1
+comes ``--signal-seconds`` before the time limit: Lightning saves an hpc checkpoint and requeues, or,
+for a strategy that resumes from its own commits, the batch shell requeues. When the training command
+runs the package's trainer, its Trainer flags follow from the job (``--trainer-flags``).
+docs/launch.md has the details.
 
 Here: the checked job (``SlurmJob``) and the command; the strategy spec in ``slurm_strategy``, the
 option checks in ``slurm_checks``, the Trainer flags in ``slurm_command``, the script in
@@ -70,11 +38,10 @@ from lightning_dist.launch.slurm_command import (
 )
 from lightning_dist.launch.slurm_options import SlurmOptions
 from lightning_dist.launch.slurm_script import render, submit, write_script
-from lightning_dist.launch.slurm_strategy import StrategyKind, accepted_strategies, resolve_strategy
+from lightning_dist.launch.slurm_strategy import accepted_strategies, resolve_strategy
 
 __all__ = [
     "SlurmJob",
-    "StrategyKind",
     "accepted_strategies",
     "add_parser",
     "job_from_args",
@@ -111,11 +78,11 @@ class SlurmJob(SlurmOptions):
 
     def __post_init__(self) -> None:
         checks.check_counts(self)
-        self.kind = resolve_strategy(self.strategy)
+        self.needs = resolve_strategy(self.strategy)
         checks.check_texts(self)
         checks.check_gpus(self)
         checks.check_launch_needs(self)
-        engine = self.kind.needs.engine
+        engine = self.needs.engine
         if engine in LAUNCHES:
             self.launch = LAUNCHES[engine]
         else:
@@ -131,17 +98,9 @@ class SlurmJob(SlurmOptions):
         if self.fills_trainer_flags:
             self.command = with_trainer_flags(self)
 
-    def trainer_needs(self) -> str:
-        """The Trainer arguments the job's ranks need, as Python (``strategy='ld_ddp', devices=4, ...``)."""
-        return trainer_needs(self)
-
-    def unfilled_note(self) -> Optional[str]:
-        """What a command that did not get the job's flags must do itself (None when it got them)."""
-        return unfilled_note(self)
-
-    def render(self) -> str:
-        """The script."""
-        return render(self)
+    trainer_needs = trainer_needs
+    unfilled_note = unfilled_note
+    render = render
 
 
 def job_from_args(args: argparse.Namespace, command: list[str]) -> SlurmJob:
@@ -168,7 +127,7 @@ def job_from_args(args: argparse.Namespace, command: list[str]) -> SlurmJob:
         nodes = args.nodes if args.nodes is not None else int(take("--num-nodes", str.isdigit) or 1)
         devices = args.devices
         if devices is None:
-            mpi = resolve_strategy(strategy).needs.engine == "mpi"  # the command's devices is 1 per rank
+            mpi = resolve_strategy(strategy).engine == "mpi"  # the command's devices is 1 per rank
             devices = int((None if mpi else take("--devices", str.isdigit)) or 1)
         accelerator = args.accelerator
         if accelerator is None:

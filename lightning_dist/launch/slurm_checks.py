@@ -20,21 +20,8 @@ _MAIL_USER = re.compile(r"^[A-Za-z0-9_.+%-]+(@[A-Za-z0-9.-]+)?$")
 ACCELERATORS = ("cpu", "gpu")
 EXCLUSIVE = ("user", "mcs", "topo")
 """``--exclusive=`` values (a bare ``--exclusive``: whole nodes)."""
-MAIL_TYPES = (
-    "NONE",
-    "BEGIN",
-    "END",
-    "FAIL",
-    "REQUEUE",
-    "ALL",
-    "INVALID_DEPEND",
-    "STAGE_OUT",
-    "TIME_LIMIT",
-    "TIME_LIMIT_90",
-    "TIME_LIMIT_80",
-    "TIME_LIMIT_50",
-    "ARRAY_TASKS",
-)
+MAIL_TYPES = ("NONE", "BEGIN", "END", "FAIL", "REQUEUE", "ALL", "INVALID_DEPEND", "STAGE_OUT", "TIME_LIMIT",
+              "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS")  # fmt: skip
 GPU_CPUS_PER_TASK = 8
 """``--cpus-per-task`` of a GPU task when none is given: cores for its dataloader workers (SLURM's own
 default is 1, which a Lightning job's ``num_workers`` would share)."""
@@ -66,20 +53,10 @@ SBATCH_OWNED = {
     "--open-mode": "--requeue (the output is appended to across requeues)",
 }
 """sbatch options the script writes itself, and the option of ``lightning-dist slurm`` that sets each."""
-SBATCH_SHORT = {
-    "-J": "--job-name",
-    "-N": "--nodes",
-    "-n": "--ntasks",
-    "-c": "--cpus-per-task",
-    "-G": "--gpus",
-    "-p": "--partition",
-    "-t": "--time",
-    "-D": "--chdir",
-    "-o": "--output",
-    "-A": "--account",
-    "-q": "--qos",
-    "-C": "--constraint",
-}
+SBATCH_SHORT = {"-J": "--job-name", "-N": "--nodes", "-n": "--ntasks", "-c": "--cpus-per-task", "-G": "--gpus",
+                "-p": "--partition", "-t": "--time", "-D": "--chdir", "-o": "--output", "-A": "--account",
+                "-q": "--qos", "-C": "--constraint"}  # fmt: skip
+"""sbatch's short options and their long forms."""
 
 
 def parse_time(value: str) -> int:
@@ -255,9 +232,9 @@ def check_gpus(job: SlurmOptions) -> None:
 
 
 def check_launch_needs(job: SlurmOptions) -> None:
-    """The options against what the strategy needs (``job.kind.needs``)."""
-    needs, ranks = job.kind.needs, job.ranks
-    if needs.power_of_two_ranks:
+    """The options against what the strategy needs (``job.needs``)."""
+    needs, ranks = job.needs, job.ranks
+    if needs.adasum:
         if job.accelerator == "gpu" and not power_of_two(job.nodes):
             raise ValueError(
                 f"--strategy {job.strategy} on GPUs needs a power-of-two number of nodes (Horovod's "

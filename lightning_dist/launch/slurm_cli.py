@@ -101,14 +101,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "-N",
         "--nodes",
         type=int,
-        default=None,
         help="nodes (#SBATCH --nodes; the Trainer's num_nodes); "
         + from_command.format(flag="--num-nodes", default=1),
     )
     p.add_argument(
         "--devices",
         type=int,
-        default=None,
         help="devices per node, GPUs or CPU processes, one rank (SLURM task) each: #SBATCH --ntasks-per-node "
         "(Elastic: one task per node running torchrun --nproc-per-node=DEVICES), with --accelerator gpu "
         "also --gpus-per-node; the Trainer's devices (Horovod: 1 per rank); "
@@ -118,14 +116,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--accelerator",
         choices=ACCELERATORS,
-        default=None,
         help="cpu or gpu: with gpu, --gpus-per-node defaults to --devices and the training command gets "
         "--accelerator gpu; default: gpu when --gpus-per-node, a GPU --gres or the training command's "
         "--accelerator ask for GPUs, else cpu",
     )
     p.add_argument(
         "--strategy",
-        default=None,
         help="strategy name: ld_ddp, ld_ddp_adasum, ld_compressed_<name>, ld_diloco, ld_sharded, ld_horovod, "
         "ld_horovod_adasum, ld_elastic, ld_fault_tolerant (`lightning-dist strategies` lists them all), a class "
         "name (DDP, Compressed, DiLoCo, Sharded, ShardedDiLoCo, Horovod, HorovodAdasum, Elastic, ElasticDiLoCo, "
@@ -166,38 +162,32 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         "-c",
         "--cpus-per-task",
         type=int,
-        default=None,
         help=f"CPUs per rank (Elastic: per worker), for its dataloader workers; default {GPU_CPUS_PER_TASK} per "
         "GPU task (with --accelerator gpu), SLURM's (1) for CPU ranks",
     )
     p.add_argument(
         "--gpus-per-node",
         type=int,
-        default=None,
         help="GPUs per node (>= --devices; every task sees all of them); default --devices with "
         "--accelerator gpu, else 0",
     )
     p.add_argument(
         "--gres",
-        default=None,
         help="#SBATCH --gres, generic resources (e.g. gpu:4, gpu:a100:4, gpu:2,nvme:1); a GPU count here "
         "replaces --gpus-per-node (then it is not written); default none",
     )
-    p.add_argument("--mem", default=None, help="memory per node, e.g. 64G; default SLURM's")
+    p.add_argument("--mem", help="memory per node, e.g. 64G; default SLURM's")
     p.add_argument(
         "--mail-type",
-        default=None,
         help=f"#SBATCH --mail-type, comma-separated: {', '.join(MAIL_TYPES)}; default none (no mail)",
     )
     p.add_argument(
         "--mail-user",
-        default=None,
         help="#SBATCH --mail-user (needs --mail-type); default the submitting user",
     )
     p.add_argument(
         "--setup",
         action="append",
-        default=None,
         metavar="LINE",
         help="a shell line the batch script runs before the launch, e.g. 'module load cuda' or "
         "'source .venv/bin/activate' (the ranks inherit its environment); repeat for more lines, run in "
@@ -206,7 +196,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--sbatch-arg",
         action="append",
-        default=None,
         metavar="ARG",
         help="another sbatch option, written as '#SBATCH ARG' (e.g. --sbatch-arg --exclude=n07; a bare "
         "reservation=r1 gets '--'); one option each, repeatable; options written from the ones above are "
@@ -227,27 +216,23 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "--port",
         type=int,
-        default=None,
         help="Elastic: rendezvous port (default 30000 + job id mod 10000); DDP: MASTER_PORT (default Lightning's, "
         "from the job id)",
     )
     p.add_argument(
         "--master-addr",
-        default=None,
         help="address of the first node when its host name does not resolve (MASTER_ADDR, Elastic's "
         "rendezvous); default the first node's host name",
     )
     p.add_argument(
         "--mpi",
         choices=MPI_LAUNCHES,
-        default=None,
         help="Horovod only: auto (default: srun --mpi=pmix when `srun --mpi=list` has it, else mpirun), pmix, pmi2, "
         "mpirun",
     )
     p.add_argument(
         "--min-nodes",
         type=int,
-        default=None,
         help="Elastic only: keep training down to this many nodes (torchrun --nnodes=MIN:NODES); default "
         "none (always --nodes)",
     )
@@ -257,13 +242,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     p.add_argument(
         "-D",
         "--chdir",
-        default=None,
         help="working directory of the job (Lightning's default_root_dir: hpc checkpoints, Elastic commits); "
         "default the submission directory",
     )
     p.add_argument(
         "--script",
-        default=None,
         help="where to write the script ('-': print it); default ./<job-name>.sbatch",
     )
     p.add_argument(

@@ -76,7 +76,7 @@ def wanted_flags(job: SlurmOptions) -> dict[str, str]:
     """The ``TRAINER_FLAGS`` values that follow from the job."""
     return {
         "--strategy": trainer_strategy(job.strategy),
-        "--devices": "1" if job.kind.needs.one_device_per_process else str(job.devices),
+        "--devices": "1" if job.needs.one_device_per_process else str(job.devices),
         "--accelerator": str(job.accelerator),
         "--num-nodes": str(job.nodes),
     }
@@ -85,7 +85,7 @@ def wanted_flags(job: SlurmOptions) -> dict[str, str]:
 def added_flag(job: SlurmOptions, flag: str) -> bool:
     """Whether ``flag`` is appended when the command leaves it out: a Trainer that learns the node count
     from MPI or the rendezvous is not given ``--num-nodes`` (checked, not added)."""
-    return flag != "--num-nodes" or job.kind.needs.trainer_num_nodes
+    return flag != "--num-nodes" or job.needs.trainer_num_nodes
 
 
 def trainer_needs(job: SlurmOptions) -> str:
@@ -123,7 +123,7 @@ def unfilled_note(job: SlurmOptions) -> Optional[str]:
 def with_trainer_flags(job: SlurmOptions) -> list[str]:
     """The command with the ``TRAINER_FLAGS`` it leaves out appended; one it gives must agree."""
     given = command_flags(job.command)
-    mpi = job.kind.needs.engine == "mpi"
+    mpi = job.needs.engine == "mpi"
     wanted = wanted_flags(job)
     devices = wanted["--devices"]
     fill = [f for f in TRAINER_FLAGS if f not in given and added_flag(job, f)]

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from lightning_dist.launch.slurm_strategy import StrategyKind
+from lightning_dist.strategies.launch_needs import LaunchNeeds
 
 
 @dataclass
@@ -81,7 +81,8 @@ class SlurmOptions:
     ``never``: leave the command as it is."""
     fills_trainer_flags: bool = field(init=False)
     """Whether ``command`` got the job's ``TRAINER_FLAGS`` (the package's trainer, or ``always``)."""
-    kind: StrategyKind = field(init=False)
+    needs: LaunchNeeds = field(init=False)
+    """How the strategy's ranks start (``resolve_strategy``)."""
     launch: str = field(init=False)
     """``srun``, ``srun-pmix``, ``srun-pmi2``, ``mpirun``, ``torchrun`` or ``fault_tolerant``."""
 
@@ -92,7 +93,7 @@ class SlurmOptions:
     @property
     def task_cpus(self) -> Optional[int]:
         """``--cpus-per-task`` of a SLURM task: a rank's, or (one agent per node) ``devices`` ranks'."""
-        if self.kind.needs.agent_per_node:
+        if self.needs.agent_per_node:
             return self.devices * (self.cpus_per_task or 1)
         return self.cpus_per_task
 
@@ -100,4 +101,4 @@ class SlurmOptions:
     def batch_signal(self) -> bool:
         """The batch shell takes the signal (a strategy that resumes from its commits: requeue; mpirun:
         forward it)."""
-        return self.kind.needs.resumes_from_commits or self.launch == "mpirun"
+        return self.needs.resumes_from_commits or self.launch == "mpirun"

@@ -23,7 +23,7 @@ def header(job: SlurmOptions) -> list[str]:
     lines = [
         f"--job-name={job.job_name}",
         f"--nodes={job.nodes}",
-        f"--ntasks-per-node={1 if job.kind.needs.agent_per_node else job.devices}",
+        f"--ntasks-per-node={1 if job.needs.agent_per_node else job.devices}",
     ]
     if job.task_cpus is not None:
         lines.append(f"--cpus-per-task={job.task_cpus}")
@@ -140,7 +140,7 @@ def render(job: SlurmOptions) -> str:
     def words(cmd: Sequence[str]) -> str:
         return " ".join(w if isinstance(w, _Raw) else shlex.quote(w) for w in cmd)
 
-    needs = job.kind.needs
+    needs = job.needs
     how = {
         "srun": f"srun starts {job.devices} task(s) per node, one per device; Lightning's SLURMEnvironment reads the ranks",
         "srun-pmix": "srun --mpi=pmix starts one MPI job of all ranks (Horovod)",
@@ -215,7 +215,7 @@ def render(job: SlurmOptions) -> str:
     if needs.resumes_from_commits:
         lines += [
             "on_signal() {",
-            f'  echo "lightning-dist: SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID; {job.kind.name} resumes from its last commit"',
+            f'  echo "lightning-dist: SIGUSR1 (time limit near): requeueing job $SLURM_JOB_ID; {job.strategy} resumes from its last commit"',
             '  scontrol requeue "$SLURM_JOB_ID"',
             "}",
         ]

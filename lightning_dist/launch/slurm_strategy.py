@@ -8,35 +8,11 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Union
 
 from lightning_dist.strategies.launch_needs import ENGINES, LIGHTNING, LaunchNeeds
 
 FORK_START_METHODS = ("spawn", "fork", "forkserver")
-
-
-@dataclass(frozen=True)
-class StrategyKind:
-    """A strategy spec and how its ranks start under SLURM."""
-
-    name: str
-    needs: LaunchNeeds
-
-    @property
-    def family(self) -> str:
-        """``ddp``, ``horovod``, ``elastic`` or ``fault_tolerant``."""
-        return self.needs.family
-
-    @property
-    def adasum(self) -> bool:
-        """Horovod's Adasum: a power-of-two number of ranks (of nodes on GPUs)."""
-        return self.needs.power_of_two_ranks
-
-    @property
-    def one_process(self) -> bool:
-        """One process per replica group (``FaultTolerantDiLoCo``): ``--devices 1`` only."""
-        return self.needs.one_process
 
 
 def _needs(cls: type, params: Mapping[str, Any]) -> Union[LaunchNeeds, str, None]:
@@ -59,14 +35,14 @@ def _needs(cls: type, params: Mapping[str, Any]) -> Union[LaunchNeeds, str, None
     return needs
 
 
-def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
+def _registry() -> tuple[dict[str, LaunchNeeds], dict[str, str]]:
     """Accepted registered names, and refused ones with the reason."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     import lightning_dist  # noqa: F401  (registers lightning_dist's strategy names)
     from lightning_dist.strategies.registry import resolve
 
-    kinds: dict[str, StrategyKind] = {}
+    launchable: dict[str, LaunchNeeds] = {}
     refused: dict[str, str] = {}
     for name in StrategyRegistry.available_strategies():
         cls, params = resolve(StrategyRegistry, name)
@@ -74,8 +50,8 @@ def _registry() -> tuple[dict[str, StrategyKind], dict[str, str]]:
         if isinstance(needs, str):
             refused[name] = needs
         elif needs is not None:
-            kinds[name] = StrategyKind(name, needs)
-    return kinds, refused
+            launchable[name] = needs
+    return launchable, refused
 
 
 def class_needs() -> dict[str, Union[LaunchNeeds, str]]:
@@ -93,26 +69,26 @@ def class_needs() -> dict[str, Union[LaunchNeeds, str]]:
 
 def accepted_strategies() -> list[str]:
     """The names ``--strategy`` accepts (registered names and lightning_dist's class names)."""
-    kinds, _ = _registry()
-    return _ordered(kinds)
+    launchable, _ = _registry()
+    return _ordered(launchable)
 
 
-def _ordered(kinds: dict[str, StrategyKind]) -> list[str]:
+def _ordered(launchable: dict[str, LaunchNeeds]) -> list[str]:
     """Registered names by engine (``ENGINES``), then the class names."""
     order = {engine: i for i, engine in enumerate(ENGINES)}
     names = sorted(
-        kinds, key=lambda n: (order[kinds[n].needs.engine], not n.startswith(("ld_", "compressed_")), n)
+        launchable, key=lambda n: (order[launchable[n].engine], not n.startswith(("ld_", "compressed_")), n)
     )
     classes = {c: k for c, k in class_needs().items() if isinstance(k, LaunchNeeds)}
     return names + sorted(classes, key=lambda c: (order[classes[c].engine], c))
 
 
-def resolve_strategy(spec: str) -> StrategyKind:
+def resolve_strategy(spec: str) -> LaunchNeeds:
     """How a registered name, a class name (``DDP``) or ``lightning_dist:Class(kw=...)`` starts its
     ranks; a ``ValueError`` for one that is refused or unknown."""
-    kinds, refused = _registry()
-    if spec in kinds:
-        return kinds[spec]
+    launchable, refused = _registry()
+    if spec in launchable:
+        return launchable[spec]
     if spec in refused:
         raise ValueError(f"--strategy {spec!r} is refused under SLURM: {refused[spec]}")
     class_name, kwargs = spec, {}
@@ -139,8 +115,8 @@ def resolve_strategy(spec: str) -> StrategyKind:
         for keyword, value, why in needs.refused_options:
             if keyword in kwargs and kwargs[keyword] == value:
                 raise ValueError(f"--strategy {spec!r}: {why}")
-        return StrategyKind(spec, needs)
-    accepted = ", ".join(_ordered(kinds))
+        return needs
+    accepted = ", ".join(_ordered(launchable))
     raise ValueError(
         f"--strategy {spec!r} is not a strategy lightning-dist can launch; accepted: {accepted} "
         "(or 'lightning_dist:Class(keyword=literal, ...)')"

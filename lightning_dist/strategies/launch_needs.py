@@ -34,7 +34,7 @@ class LaunchNeeds:
     """A requeued run resumes from the strategy's own commits (else from Lightning's hpc checkpoint)."""
     exports: tuple[tuple[str, str, str], ...] = ()
     """Environment variables every process needs: (name, value, why)."""
-    power_of_two_ranks: bool = False
+    adasum: bool = False
     """Horovod's Adasum: a power-of-two number of ranks (of nodes, on GPUs)."""
     one_process: bool = False
     """One process per replica group: one device per node."""
@@ -66,7 +66,7 @@ MPI = LaunchNeeds(
         ),
     ),
 )
-MPI_ADASUM = replace(MPI, power_of_two_ranks=True, refused_options=())
+MPI_ADASUM = replace(MPI, adasum=True, refused_options=())
 TORCHRUN = LaunchNeeds(
     "torchrun",
     agent_per_node=True,
