@@ -11,7 +11,7 @@ runs the package's trainer, its Trainer flags follow from the job (``--trainer-f
 docs/launch.md has the details.
 
 Here: the checked job (``SlurmJob``) and the command; the strategy spec in ``slurm_strategy``, the
-option checks in ``slurm_checks``, the Trainer flags in ``slurm_command``, the script in
+options and their checks in ``slurm_options``, the Trainer flags in ``slurm_command``, the script in
 ``slurm_script``, the argument parser in ``slurm_cli``.
 """
 
@@ -26,8 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from lightning_dist.launch import slurm_checks as checks
-from lightning_dist.launch.slurm_checks import GPU_CPUS_PER_TASK, parse_time
+from lightning_dist.launch import slurm_options as options
 from lightning_dist.launch.slurm_cli import add_parser
 from lightning_dist.launch.slurm_command import (
     command_flags,
@@ -36,7 +35,7 @@ from lightning_dist.launch.slurm_command import (
     unfilled_note,
     with_trainer_flags,
 )
-from lightning_dist.launch.slurm_options import SlurmOptions
+from lightning_dist.launch.slurm_options import GPU_CPUS_PER_TASK, SlurmOptions, parse_time
 from lightning_dist.launch.slurm_script import render, submit, write_script
 from lightning_dist.launch.slurm_strategy import accepted_strategies, resolve_strategy
 
@@ -77,11 +76,11 @@ class SlurmJob(SlurmOptions):
     """
 
     def __post_init__(self) -> None:
-        checks.check_counts(self)
+        options.check_counts(self)
         self.needs = resolve_strategy(self.strategy)
-        checks.check_texts(self)
-        checks.check_gpus(self)
-        checks.check_launch_needs(self)
+        options.check_texts(self)
+        options.check_gpus(self)
+        options.check_launch_needs(self)
         engine = self.needs.engine
         if engine in LAUNCHES:
             self.launch = LAUNCHES[engine]

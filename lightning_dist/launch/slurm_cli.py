@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from typing_extensions import override
 
-from lightning_dist.launch.slurm_checks import (
+from lightning_dist.launch.slurm_options import (
     ACCELERATORS,
     EXCLUSIVE,
     GPU_CPUS_PER_TASK,

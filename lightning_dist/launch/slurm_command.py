@@ -8,8 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Optional
 
-from lightning_dist.launch.slurm_checks import gres_gpus
-from lightning_dist.launch.slurm_options import SlurmOptions
+from lightning_dist.launch.slurm_options import SlurmOptions, gres_gpus
 from lightning_dist.launch.slurm_strategy import class_needs
 
 TRAINER_FLAGS = ("--strategy", "--devices", "--accelerator", "--num-nodes")
