@@ -49,6 +49,7 @@ class LaunchNeeds:
 
     @property
     def family(self) -> str:
+        """``ddp``, ``horovod``, ``elastic`` or ``fault_tolerant`` (``FAMILIES``)."""
         return FAMILIES[self.engine]
 
 
