@@ -28,6 +28,7 @@ from lightning_dist.strategies.foreign_checkpoints import (
     warn_dropped_compressor_state,
 )
 from lightning_dist.strategies.fork_launcher import checked_launcher
+from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
 from lightning_dist.strategies.options import (
@@ -79,6 +80,7 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
     """
 
     strategy_name = "ld_ddp"
+    launch_needs = LIGHTNING
 
     def __init__(
         self,

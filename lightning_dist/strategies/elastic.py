@@ -48,6 +48,7 @@ from lightning_dist.strategies.elastic_commits import (
     torchrun_num_nodes,
 )
 from lightning_dist.strategies.elastic_data import is_training_loader
+from lightning_dist.strategies.launch_needs import TORCHRUN
 from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
 from lightning_dist.strategies.part_field import PartField
 from lightning_dist.warn import warn_once
@@ -78,6 +79,7 @@ class ElasticMixin(_MixinBase):
     ``Elastic``.
     """
 
+    launch_needs = TORCHRUN
     resilience: ElasticCommits
     commit_every: PartField[int] = PartField("resilience")
     keep: PartField[int] = PartField("resilience")

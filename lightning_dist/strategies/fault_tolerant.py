@@ -66,6 +66,7 @@ from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.fault_tolerant_callback import install_step_callback
 from lightning_dist.strategies.fault_tolerant_slots import FaultTolerantSlots
 from lightning_dist.strategies.fault_tolerant_state import OWNER, StepRecord
+from lightning_dist.strategies.launch_needs import TORCHFT
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
@@ -120,6 +121,7 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
     """
 
     strategy_name = "ld_fault_tolerant"
+    launch_needs = TORCHFT
 
     def __init__(
         self,

@@ -58,6 +58,7 @@ from lightning_dist.strategies.diloco_loop import build_diloco_compressor
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.fault_tolerant import StepRecord, group_place
 from lightning_dist.strategies.fault_tolerant_diloco_sync import DiLoCoPeriods, _copy
+from lightning_dist.strategies.launch_needs import TORCHFT_ONE_PROCESS
 from lightning_dist.strategies.options import (
     DiLoCoOptions,
     FaultTolerantDiLoCoOptions,
@@ -95,6 +96,7 @@ class FaultTolerantDiLoCo(DiLoCoPeriods):
     """
 
     strategy_name = "ld_fault_tolerant_diloco"
+    launch_needs = TORCHFT_ONE_PROCESS
     checks_group_sizes = False
     """One process per group (``setup_environment``); and groups waiting at a sync form quorums
     outside a step's start, where no check could be made at the same point by every group."""

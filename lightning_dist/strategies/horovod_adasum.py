@@ -26,6 +26,7 @@ from lightning_dist.collectives import Communicator
 from lightning_dist.compression import Compressor
 from lightning_dist.state import RankStates
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS, HorovodBase
+from lightning_dist.strategies.launch_needs import MPI_ADASUM
 from lightning_dist.strategies.options import normalize_op, reject_unknown_options
 from lightning_dist.strategies.rank_state import RankStateMixin
 
@@ -54,6 +55,7 @@ class HorovodAdasum(RankStateMixin, HorovodBase):
     """
 
     strategy_name = "ld_horovod_adasum"
+    launch_needs = MPI_ADASUM
 
     def __init__(
         self,

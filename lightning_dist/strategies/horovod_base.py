@@ -23,6 +23,7 @@ from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.horovod_backend import HorovodBackend
 from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
+from lightning_dist.strategies.launch_needs import MPI
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import HorovodOptions, option_names
@@ -54,6 +55,7 @@ class HorovodBase(CollectiveOpsMixin, ParallelStrategy):
 
     op: str
     """The reduction this strategy applies: ``"average"``, ``"sum"`` or ``"adasum"``."""
+    launch_needs = MPI
 
     def __init__(
         self,

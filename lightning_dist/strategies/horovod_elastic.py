@@ -35,6 +35,7 @@ from lightning_dist.elastic.commits import Commit, CommitStore
 from lightning_dist.strategies.elastic import ELASTIC_OPTIONS, ElasticMixin
 from lightning_dist.strategies.horovod import Horovod
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS
+from lightning_dist.strategies.launch_needs import HOROVODRUN_ELASTIC
 from lightning_dist.strategies.options import ElasticOptions, reject_unknown_options
 from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 
@@ -54,6 +55,7 @@ class HorovodElastic(ElasticMixin, RankStateMixin, Horovod):
     """
 
     strategy_name = "ld_horovod_elastic"
+    launch_needs = HOROVODRUN_ELASTIC
 
     def __init__(self, commit_every: int = 1, **options: Any) -> None:
         unknown = {k: v for k, v in options.items() if k not in (*ELASTIC_OPTIONS, *HOROVOD_OPTIONS)}

@@ -40,6 +40,7 @@ from lightning_dist.layout import torch_notes
 from lightning_dist.layout.sharded_checkpoint import CHECKPOINT_KEY
 from lightning_dist.layout.sharded_layout import ShardedLayout
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
+from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import (
     PROCESS_GROUP_BACKENDS,
@@ -74,6 +75,7 @@ class Sharded(TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
     """
 
     strategy_name = "ld_sharded"
+    launch_needs = LIGHTNING
 
     def __init__(
         self,
