@@ -47,6 +47,7 @@ CONFIGS: dict[str, tuple[str, str]] = {
     "lightning_ddp": ("lightning", "ddp"),
     "ld_ddp": ("lightning", "ld_ddp"),
     "ld_ddp_adasum": ("lightning", "ld_ddp_adasum"),
+    "ld_ddp_fork": ("lightning", "ld_ddp_fork"),
     **{
         f"ld_compressed_{c}": ("lightning", f"ld_compressed_{c}")
         for c in ("none", "fp16", "bf16", "int8", "topk", "powersgd", "sign", "demo")
@@ -112,8 +113,8 @@ def process_index(trainer: Any) -> int:
     return group * trainer.world_size + trainer.global_rank
 
 
-def fit(spec: str, out: Path, callbacks: list[Any]) -> Any:
-    """Build the model, the strategy and the Trainer for ``spec``, fit; returns (trainer, model)."""
+def fit(spec: str, out: Path, callbacks: list[Any]) -> None:
+    """Build the model, the strategy and the Trainer for ``spec``, and fit."""
     import lightning as L
 
     from lightning_dist.workload import TinyCausalLM, WorkloadConfig
@@ -139,40 +140,51 @@ def fit(spec: str, out: Path, callbacks: list[Any]) -> Any:
     if launcher == "horovodrun":
         from lightning_dist.launch.horovod_elastic import fit_horovod_elastic
 
-        return fit_horovod_elastic(make_trainer, model), model
-    trainer = make_trainer()
-    trainer.fit(model)
-    return trainer, model
+        fit_horovod_elastic(make_trainer, model)
+    else:
+        make_trainer().fit(model)
+
+
+def recorder(out: Path) -> Any:
+    """A callback keeping each step's loss that writes this process's record at the end of training
+    (in the process that trained: under the fork launcher, a worker) to ``out/rank<index>.json``."""
+    import lightning as L
+
+    from lightning_dist.callbacks import CommMonitor
+
+    class Record(L.Callback):
+        def __init__(self) -> None:
+            self.monitor = CommMonitor(log=False)
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            summary = self.monitor.summary()
+            record = {
+                "rank": trainer.global_rank,
+                "world_size": trainer.world_size,
+                "losses": [repr(x) for x in self.losses],
+                "weights_sha256": weights_sha256(pl_module),
+                "bytes": {k: v for k, v in summary.items() if "bytes" in k or k.endswith("calls")},
+            }
+            path = out / f"rank{process_index(trainer)}.json"
+            path.write_text(json.dumps(record, sort_keys=True))
+
+    return Record()
 
 
 def child(spec: str, out: Path) -> None:
-    """One process's training; writes ``out/rank<process index>.json``."""
-    import lightning as L
+    """One process's training (the fork launcher's parent: its workers')."""
     import torch
 
     import lightning_dist  # noqa: F401  (registers the ld_ names)
-    from lightning_dist.callbacks import CommMonitor
-
-    torch.set_num_threads(1)
-    losses: list[float] = []
-
-    class Losses(L.Callback):
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, i: int) -> None:
-            losses.append(float(outputs["loss"]))
-
-    monitor = CommMonitor(log=False)
-    trainer, model = fit(spec, out, [monitor, Losses()])
-    summary = monitor.summary()
-    record = {
-        "rank": trainer.global_rank,
-        "world_size": trainer.world_size,
-        "losses": [repr(x) for x in losses],
-        "weights_sha256": weights_sha256(model),
-        "bytes": {k: v for k, v in summary.items() if "bytes" in k or k.endswith("calls")},
-    }
-    (out / f"rank{process_index(trainer)}.json").write_text(json.dumps(record, sort_keys=True))
     from lightning_dist import collectives
 
+    torch.set_num_threads(1)
+    record = recorder(out)
+    fit(spec, out, [record.monitor, record])
     collectives.shutdown()
 
 
