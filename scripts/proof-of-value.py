@@ -74,7 +74,8 @@ CONFIGS_BY_SPEC = {spec: launcher for launcher, spec in CONFIGS.values()}
 
 
 def built_strategies(out: Path) -> dict[str, Callable[[], Any]]:
-    """The specs that are strategy objects (DiLoCo syncs every 4 steps, so 3 times in the run)."""
+    """The specs that are strategy objects (DiLoCo syncs every 4 steps, so 3 times in the run); every
+    commit goes to the configuration's own folder (a commit left by another run would be resumed)."""
     import lightning_dist as ld
 
     commits = str(out / "commits")
@@ -87,7 +88,9 @@ def built_strategies(out: Path) -> dict[str, Callable[[], Any]]:
         "sharded_hybrid_int8": lambda: ld.Sharded(replicas=2, replica_sync="int8"),
         "sharded_diloco": lambda: ld.ShardedDiLoCo(inner_steps=4),
         "sharded_diloco_int8": lambda: ld.ShardedDiLoCo(inner_steps=4, compression="int8"),
-        "fault_tolerant_diloco": lambda: ld.FaultTolerantDiLoCo(inner_steps=4),
+        "ld_fault_tolerant": lambda: ld.FaultTolerant(dirpath=commits),
+        "ld_fault_tolerant_int8": lambda: ld.FaultTolerant(compressor="int8", dirpath=commits),
+        "fault_tolerant_diloco": lambda: ld.FaultTolerantDiLoCo(inner_steps=4, dirpath=commits),
     }
 
 
@@ -219,6 +222,8 @@ def launch(name: str, tmp: Path) -> dict[str, Any]:
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-3000:]}
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(PROCESSES)]
+    if any(len(r["losses"]) != STEPS for r in ranks):
+        return {"error": f"trained {[len(r['losses']) for r in ranks]} steps; expected {STEPS}"}
     return {"seconds": round(time.monotonic() - start, 1), "ranks": ranks}
 
 
