@@ -10,13 +10,17 @@ configuration and exits 1 when anything differs.
     python scripts/proof-of-value.py --out /tmp/pov-before.json            # on the old commit
     python scripts/proof-of-value.py --out /tmp/pov-after.json --compare /tmp/pov-before.json
 
-Launchers: Lightning's (DDP, Compressed, DiLoCo, Sharded, ShardedDiLoCo), torchrun (Elastic,
-ElasticDiLoCo), mpirun (Horovod, HorovodAdasum), horovodrun's elastic engine on one host of 2
-slots (HorovodElastic, fault-free), and the pack's FaultTolerant launcher (a Lighthouse that forms
-a quorum only of both groups, and 2 replica groups of one process each, fault-free, no restarts).
-Every configuration is bitwise reproducible run to run on this machine (each one run twice and
-compared); a FaultTolerant run would not be if a group could train a step alone, which
-``--min-replicas 2`` rules out in a fault-free run.
+Launchers: Lightning's (DDP with start_method "popen" and "fork", Compressed, DiLoCo, Sharded,
+ShardedDiLoCo), torchrun (Elastic, ElasticDiLoCo), mpirun (Horovod, HorovodAdasum), horovodrun's
+elastic engine on one host of 2 slots (HorovodElastic, fault-free), and the pack's FaultTolerant
+launcher (a Lighthouse that forms a quorum only of both groups, 2 replica groups of one process
+each, fault-free, no restarts). Every configuration is bitwise reproducible run to run on this
+machine, on a loaded machine too; a FaultTolerant run would not be if a group could
+train a step alone, which ``--min-replicas 2`` rules out. Commits go to each configuration's folder:
+a run never resumes another's. ``bytes`` are CommMonitor's medians per step (DiLoCo's syncs every 4
+steps give 0); FaultTolerant's loss is Lightning's micro-batch loss, scaled by 1/micro-batches of the
+step (2). DDP with start_method "spawn" is not here: spawn pickles the Trainer and this file's callback
+is a local class.
 
 ``--only NAME[,NAME]`` runs some configurations. A row's child process runs this file with
 ``--child`` (its launcher starts it once per process). The script imports only public names, so it
