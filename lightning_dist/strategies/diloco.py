@@ -46,13 +46,8 @@ from lightning_dist.algorithms.diloco_params import inner_parameters
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
-from lightning_dist.strategies.options import (
-    DiLoCoOptions,
-    LaunchOptions,
-    option_names,
-    options_from,
-    reject_unknown_options,
-)
+from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
+from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions
 from lightning_dist.strategies.rank_state import RankStateMixin, RankStates, gather_objects
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,8 @@ from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.names import register_class
-from lightning_dist.strategies.options import HorovodOptions, option_names
+from lightning_dist.strategies.options import option_names
+from lightning_dist.strategies.options_training import HorovodOptions
 
 logger = logging.getLogger(__name__)
 
