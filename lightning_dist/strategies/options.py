@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from lightning_dist.checks import check_bool, check_choice, check_positive, reject_unknown_options
+from lightning_dist.checks import check_choice, reject_unknown_options
 from lightning_dist.collectives.ops import normalize_op, op_name
 
 __all__ = [
@@ -32,9 +32,7 @@ __all__ = [
     "SHARDED_COMPRESSIONS",
     "SHARDED_REDUCE_OPS",
     "START_METHODS",
-    "check_bool",
     "check_choice",
-    "check_positive",
     "normalize_op",
     "op_name",
     "option_names",
