@@ -139,13 +139,14 @@ def test_one_op_vocabulary_for_ddp_and_horovod() -> None:
 
 
 def test_each_constructor_takes_its_option_dataclasses_fields_with_their_defaults() -> None:
-    """The option dataclasses (strategies/options.py) and the constructors' keyword arguments (what
-    IDEs and LightningCLI read) name the same options with the same defaults."""
+    """The option dataclasses (strategies/options_training.py and options_resilience.py) and the
+    constructors' keyword arguments (what IDEs and LightningCLI read) name the same options with the
+    same defaults."""
     import dataclasses
     import inspect
 
     from lightning_dist import DiLoCo
-    from lightning_dist.strategies import options
+    from lightning_dist.strategies import options_resilience, options_training
 
     def params(init: Any) -> dict[str, Any]:
         return {
@@ -157,15 +158,15 @@ def test_each_constructor_takes_its_option_dataclasses_fields_with_their_default
     def defaults(*groups: type) -> dict[str, Any]:
         return {f.name: f.default for g in groups for f in dataclasses.fields(g)}
 
-    assert params(DDP.__init__) == defaults(options.LaunchOptions, options.DDPOptions)
+    assert params(DDP.__init__) == defaults(options_training.LaunchOptions, options_training.DDPOptions)
     assert list(params(DDP.__init__)) == DDP._accepted_options()
-    assert params(DiLoCo.__init__) == defaults(options.DiLoCoOptions, options.LaunchOptions)
+    assert params(DiLoCo.__init__) == defaults(options_training.DiLoCoOptions, options_training.LaunchOptions)
     assert list(params(DiLoCo.__init__)) == DiLoCo._accepted_options()
-    assert params(Horovod.__init__) == defaults(options.HorovodOptions)
-    assert params(HorovodAdasum.__init__) == {**defaults(options.HorovodOptions), "op": "adasum"}
+    assert params(Horovod.__init__) == defaults(options_training.HorovodOptions)
+    assert params(HorovodAdasum.__init__) == {**defaults(options_training.HorovodOptions), "op": "adasum"}
     # the elastic options reach ElasticMixin as one ElasticOptions (``_init_elastic``), built from these
     for elastic in (Elastic, ElasticDiLoCo):
-        for name, field in defaults(options.ElasticOptions).items():
+        for name, field in defaults(options_resilience.ElasticOptions).items():
             assert inspect.signature(elastic.__init__).parameters[name].default == field, (elastic, name)
 
 

@@ -50,12 +50,6 @@ def unflatten(flat: Tensor, like: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
-def to_chunks(flat: Tensor, chunk_size: int) -> Tensor:
-    """``flat`` zero-padded to whole chunks, as [chunks, chunk_size]."""
-    chunks = -(-flat.numel() // chunk_size)
-    return F.pad(flat, (0, chunks * chunk_size - flat.numel())).view(chunks, chunk_size)
-
-
 # -- byte packing -------------------------------------------------------------------------------
 def aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a multiple of ``ALIGN``."""

@@ -31,13 +31,8 @@ from lightning_dist.strategies.fork_launcher import checked_launcher
 from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
-from lightning_dist.strategies.options import (
-    DDPOptions,
-    LaunchOptions,
-    option_names,
-    options_from,
-    reject_unknown_options,
-)
+from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
+from lightning_dist.strategies.options_training import DDPOptions, LaunchOptions
 from lightning_dist.wire.comm_hook import CollectivesHookState, collectives_hook
 
 logger = logging.getLogger(__name__)

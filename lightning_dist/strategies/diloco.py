@@ -47,13 +47,8 @@ from lightning_dist.compression import Compressor
 from lightning_dist.state import RankStates
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
-from lightning_dist.strategies.options import (
-    DiLoCoOptions,
-    LaunchOptions,
-    option_names,
-    options_from,
-    reject_unknown_options,
-)
+from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
+from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions
 from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 
 logger = logging.getLogger(__name__)

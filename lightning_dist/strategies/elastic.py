@@ -49,7 +49,8 @@ from lightning_dist.strategies.elastic_commits import (
 )
 from lightning_dist.strategies.elastic_data import is_training_loader
 from lightning_dist.strategies.launch_needs import TORCHRUN
-from lightning_dist.strategies.options import ElasticOptions, option_names, options_from
+from lightning_dist.strategies.options import option_names, options_from
+from lightning_dist.strategies.options_resilience import ElasticOptions
 from lightning_dist.strategies.part_field import PartField
 from lightning_dist.warn import warn_once
 

@@ -29,7 +29,7 @@ from lightning_dist.elastic.commits import Commit, CommitStore, restore_rng_stat
 from lightning_dist.elastic.rendezvous import attempt_store
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
-from lightning_dist.strategies.options import ElasticOptions
+from lightning_dist.strategies.options_resilience import ElasticOptions
 from lightning_dist.warn import warn_once
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from typing_extensions import override
 
 from lightning_dist.strategies.diloco import DiLoCo
 from lightning_dist.strategies.elastic import ELASTIC_OPTIONS, ElasticMixin
-from lightning_dist.strategies.options import ElasticOptions, options_from
+from lightning_dist.strategies.options import options_from
+from lightning_dist.strategies.options_resilience import ElasticOptions
 
 
 class ElasticDiLoCo(ElasticMixin, DiLoCo):

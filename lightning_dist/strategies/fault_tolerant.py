@@ -68,7 +68,8 @@ from lightning_dist.strategies.fault_tolerant_slots import FaultTolerantSlots
 from lightning_dist.strategies.fault_tolerant_state import OWNER, StepRecord
 from lightning_dist.strategies.launch_needs import TORCHFT
 from lightning_dist.strategies.names import register_class
-from lightning_dist.strategies.options import FaultTolerantOptions, option_names, options_from
+from lightning_dist.strategies.options import option_names, options_from
+from lightning_dist.strategies.options_resilience import FaultTolerantOptions
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
 
 __all__ = ["FaultTolerant", "StepRecord", "group_place", "owns_slot"]

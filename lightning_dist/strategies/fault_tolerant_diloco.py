@@ -59,13 +59,9 @@ from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.fault_tolerant import StepRecord, group_place
 from lightning_dist.strategies.fault_tolerant_diloco_sync import DiLoCoPeriods, _copy
 from lightning_dist.strategies.launch_needs import TORCHFT_ONE_PROCESS
-from lightning_dist.strategies.options import (
-    DiLoCoOptions,
-    FaultTolerantDiLoCoOptions,
-    FaultTolerantOptions,
-    option_names,
-    reject_unknown_options,
-)
+from lightning_dist.strategies.options import option_names, reject_unknown_options
+from lightning_dist.strategies.options_resilience import FaultTolerantDiLoCoOptions, FaultTolerantOptions
+from lightning_dist.strategies.options_training import DiLoCoOptions
 
 __all__ = ["FaultTolerantDiLoCo", "owned_slots"]
 

@@ -19,7 +19,8 @@ from lightning_dist.algorithms.diloco_params import by_dtype, inner_parameters, 
 from lightning_dist.algorithms.micro_batch_slots import owns_slot
 from lightning_dist.compression import Compressor
 from lightning_dist.strategies.fault_tolerant import FaultTolerant, StepRecord
-from lightning_dist.strategies.options import DiLoCoOptions, FaultTolerantDiLoCoOptions
+from lightning_dist.strategies.options_resilience import FaultTolerantDiLoCoOptions
+from lightning_dist.strategies.options_training import DiLoCoOptions
 from lightning_dist.sync.diloco import average_pseudo_gradients
 
 logger = logging.getLogger("lightning_dist.strategies.fault_tolerant_diloco")

@@ -15,7 +15,7 @@ from lightning_dist.algorithms.micro_batch_slots import GradientSum
 from lightning_dist.collectives.fault_tolerant import FaultTolerantTransport
 from lightning_dist.elastic.commits import CommitStore
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
-from lightning_dist.strategies.options import FaultTolerantOptions
+from lightning_dist.strategies.options_resilience import FaultTolerantOptions
 from lightning_dist.strategies.rank_state import TrainingStateMixin
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
 

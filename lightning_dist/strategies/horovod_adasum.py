@@ -32,7 +32,6 @@ from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
 
-ADASUM_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 CHECKPOINT_KEY = "lightning_dist.horovod_adasum"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's optimizer_states, for r < W]}``."""
 OPTIMIZER_STATES = RankStates(

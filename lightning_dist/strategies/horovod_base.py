@@ -26,7 +26,8 @@ from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.launch_needs import MPI
 from lightning_dist.strategies.metric_sync import route_metric_sync
 from lightning_dist.strategies.names import register_class
-from lightning_dist.strategies.options import HorovodOptions, option_names
+from lightning_dist.strategies.options import option_names
+from lightning_dist.strategies.options_training import HorovodOptions
 
 logger = logging.getLogger(__name__)
 

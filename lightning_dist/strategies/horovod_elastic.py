@@ -36,7 +36,8 @@ from lightning_dist.strategies.elastic import ELASTIC_OPTIONS, ElasticMixin
 from lightning_dist.strategies.horovod import Horovod
 from lightning_dist.strategies.horovod_base import HOROVOD_OPTIONS
 from lightning_dist.strategies.launch_needs import HOROVODRUN_ELASTIC
-from lightning_dist.strategies.options import ElasticOptions, reject_unknown_options
+from lightning_dist.strategies.options import reject_unknown_options
+from lightning_dist.strategies.options_resilience import ElasticOptions
 from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
 
 logger = logging.getLogger(__name__)

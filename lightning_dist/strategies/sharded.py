@@ -44,12 +44,12 @@ from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.options import (
     PROCESS_GROUP_BACKENDS,
-    ShardedOptions,
     check_choice,
     option_names,
     options_from,
     reject_unknown_options,
 )
+from lightning_dist.strategies.options_training import ShardedOptions
 from lightning_dist.strategies.rank_state import TrainingStateMixin
 from lightning_dist.warn import warn_once
 from lightning_dist.wire.sharded_landing import PendingGradients

@@ -51,12 +51,8 @@ from lightning_dist.layout.sharded_checkpoint import (
     restore_local_optimizer_state,
 )
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
-from lightning_dist.strategies.options import (
-    DiLoCoOptions,
-    option_names,
-    options_from,
-    reject_unknown_options,
-)
+from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
+from lightning_dist.strategies.options_training import DiLoCoOptions
 from lightning_dist.strategies.sharded import Sharded
 from lightning_dist.warn import warn_once
 
