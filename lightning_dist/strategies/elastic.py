@@ -18,7 +18,7 @@ commit are rescaled to the new accumulation, the compressor states of the old ra
 (``Compressor.merge_states``), and where the new size does not divide the global batch the learning
 rate follows ``plan.lr_scale`` (``scale_lr=False`` turns that off).
 
-``ElasticMixin`` joins a strategy to its resilience part (``ElasticCommits``), for ElasticDiLoCo too.
+``ElasticMixin`` joins a strategy (ElasticDiLoCo, HorovodElastic too) to its part ``ElasticCommits``.
 """
 
 from __future__ import annotations
