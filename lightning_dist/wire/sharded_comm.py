@@ -6,7 +6,9 @@ group, through the shard group's ``Communicator``, so the strategy's counters ho
 ``PackReduceScatter`` (FSDP2's ``set_custom_reduce_scatter``): the reduce-scatter of one FSDP
 parameter group inside its shard group, through the shard group's ``Communicator`` (so its bytes are
 counted with every other collective of the strategy): fp32 as FSDP2 sends it, bf16/fp16 (cast,
-reduce-scatter, cast back) or int8 with per-block scales (``compression.reduce_scatter``).
+reduce-scatter, cast back) or int8 with per-block scales (``compression.reduce_scatter``: quantised
+when posted, dequantised and summed where it lands, on the thread that waits for it, so the
+transport's completion thread does no compression work).
 
 ``ReplicaSync`` (FSDP2's ``set_all_reduce_hook``, which FSDP2 calls with the reduce-scattered shard
 gradient when the module is sharded over a 1-D mesh): the average of that shard over the replica
