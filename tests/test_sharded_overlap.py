@@ -136,6 +136,40 @@ def test_reduce_scatter_lands_at_the_end_of_the_backward(compression: Optional[s
         assert torch.equal(run_in_threads(W, body)[1][2], total[1])
 
 
+def test_int8_reduce_scatter_sums_where_it_lands_not_in_the_transports_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The int8 reduce-scatter's dequantise-sum runs on the rank's own thread when the landing runs
+    (the end of the backward), never in the transport's completion thread, which stays free for
+    the collectives after it; the output is what the synchronous call writes, bitwise."""
+    inputs = _inputs()
+    summed_on: list[int] = []
+    tensor_sum = torch.Tensor.sum
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        summed_on.append(threading.get_ident())
+        return tensor_sum(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "sum", spy)
+
+    def body(comm: Communicator) -> tuple[int, torch.Tensor, torch.Tensor]:
+        pending = PendingGradients()
+        deferring = PackReduceScatter(comm, "int8", block_size=4, landing=Landing(pending, _param_group()))
+        out = torch.full((N,), float("nan"))
+        _in_backward(lambda: deferring(out, inputs[comm.rank].clone(), _Group(W), ReduceOp.AVG))
+        reference = torch.full((N,), float("nan"))
+        PackReduceScatter(comm, "int8", block_size=4)(
+            reference, inputs[comm.rank].clone(), _Group(W), ReduceOp.AVG
+        )
+        return threading.get_ident(), out, reference
+
+    results = run_in_threads(W, body)
+    rank_threads = {ident for ident, _, _ in results}
+    assert summed_on and set(summed_on) <= rank_threads
+    for _, out, reference in results:
+        assert torch.equal(out, reference)
+
+
 SYNCHRONOUS = {
     "accumulation": ({"grad": True}, torch.float32, ReduceOp.AVG, True),
     "post-accumulate-grad hook": ({"hook": True}, torch.float32, ReduceOp.AVG, True),

@@ -6,7 +6,9 @@ group, through the shard group's ``Communicator``, so the strategy's counters ho
 ``PackReduceScatter`` (FSDP2's ``set_custom_reduce_scatter``): the reduce-scatter of one FSDP
 parameter group inside its shard group, through the shard group's ``Communicator`` (so its bytes are
 counted with every other collective of the strategy): fp32 as FSDP2 sends it, bf16/fp16 (cast,
-reduce-scatter, cast back) or int8 with per-block scales (``compression.reduce_scatter``).
+reduce-scatter, cast back) or int8 with per-block scales (``compression.reduce_scatter``: quantised
+when posted, dequantised and summed where it lands, on the thread that waits for it, so the
+transport's completion thread does no compression work).
 
 ``ReplicaSync`` (FSDP2's ``set_all_reduce_hook``, which FSDP2 calls with the reduce-scattered shard
 gradient when the module is sharded over a 1-D mesh): the average of that shard over the replica
@@ -34,8 +36,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
 from lightning_dist.collectives.work import FutureWork
-from lightning_dist.compression import Compressor, Exchange
-from lightning_dist.compression.reduce_scatter import int8_reduce_scatter
+from lightning_dist.compression import Compressor
+from lightning_dist.compression.reduce_scatter import quantize_rows, sum_rows
 from lightning_dist.wire.sharded_landing import Landing, PendingGradients, once
 
 WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -129,13 +131,14 @@ class PackReduceScatter(_PlainBuffers, ReduceScatter):
         comm, w = self.comm, self.comm.world_size
         detail = f"FSDP reduce-scatter, {flat.numel()} elements"
         if self.compression == "int8":
-            ex = self._int8(flat, average)
-            done = run_exchanges(comm, [[ex]])
+            # quantised here, summed where it lands: the transport's completion thread only
+            # receives, so it is free for the next collectives (and never waits for the GIL)
+            payload, layout = quantize_rows(flat, w, self.block_size, self._residual(flat))
+            rows = list(payload.unbind(0))  # row j to rank j, as ``start_round`` posts an all_to_all round
+            sent = comm.all_to_all_async(rows, [rows[0].shape[0]] * w)
 
             def _int8_lands() -> None:
-                comm.wait(done, "all_to_all", detail)
-                assert ex.result is not None
-                output.copy_(ex.result[0])
+                output.copy_(sum_rows(comm.wait(sent, "all_to_all", detail), layout, average))
 
             return once(_int8_lands)
         wire = WIRE_DTYPES.get(self.compression or "")
@@ -151,16 +154,14 @@ class PackReduceScatter(_PlainBuffers, ReduceScatter):
 
         return once(_lands)
 
-    def _int8(self, flat: Tensor, average: bool) -> Exchange:
-        residual = None
-        if self.error_feedback:
-            if self.residual is None or self.residual.shape != flat.shape:
-                self.residual = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-            residual = self.residual = self.residual.to(flat.device)
-        rounds = int8_reduce_scatter(
-            flat, self.comm.world_size, self.block_size, average=average, residual=residual
-        )
-        return Exchange(rounds, self.comm.world_size)
+    def _residual(self, flat: Tensor) -> Optional[Tensor]:
+        """The error-feedback residual for ``flat`` (zeros at first), or None without error feedback."""
+        if not self.error_feedback:
+            return None
+        if self.residual is None or self.residual.shape != flat.shape:
+            self.residual = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        self.residual = self.residual.to(flat.device)
+        return self.residual
 
 
 @dataclass(eq=False)
