@@ -154,8 +154,6 @@ class FaultTolerantDiLoCo(DiLoCoPeriods):
         """Start a period from ``state``, one as of a sync (a peer's, a commit's, or this group's own)."""
         self._snapshot = _copy(state)  # the optimizers may keep ``state``'s tensors and step them in place
         super()._load_state_dict(state)
-        self._outer().load_state_dict(state["diloco"]["outer"])
-        self._period_start = state["diloco"].get("period_start")
         self.inner_step = 0
         self._period = None
         self._pending = []

@@ -67,6 +67,7 @@ class DiLoCoPeriods(FaultTolerant):
         self._warned = False
         self._period_started = 0.0
         self._pending: list[StepRecord] = []
+        self.training_state.register("diloco", self._diloco_piece, per_rank=False, load=self._load_diloco)
 
     def _outer(self) -> OuterSGD:
         if self.outer is None:
@@ -81,9 +82,16 @@ class DiLoCoPeriods(FaultTolerant):
         """Committed syncs (torchft's step)."""
         return 0 if self.transport is None else self.transport.step
 
+    def _diloco_piece(self, checkpoint: Any) -> dict[str, Any]:
+        """DiLoCo's replicated state as of now: the outer state and where the period started."""
+        return {"outer": self._outer().state_dict(), "period_start": self.data_step() - self.inner_step}
+
+    def _load_diloco(self, state: dict[str, Any]) -> None:
+        self._outer().load_state_dict(state["outer"])
+        self._period_start = state.get("period_start")
+
     def _current_state(self) -> dict[str, Any]:
-        diloco = {"outer": self._outer().state_dict(), "period_start": self.data_step() - self.inner_step}
-        return _copy({**super()._state_dict(), "diloco": diloco})
+        return _copy(super()._state_dict())
 
     def sync_tail(self) -> None:
         """Sync the period's inner steps so far, if any: the end of ``fit`` (``diloco_tail``); the
