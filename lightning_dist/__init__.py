@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_dist.fork_safety import trace_cuda_init
 from lightning_dist.strategies import STRATEGIES
-from lightning_dist.strategies.compose import compose
 from lightning_dist.strategies.names import register_on_import
 
 if TYPE_CHECKING:
     from lightning_dist import collectives as collectives
+    from lightning_dist.strategies.compose import compose as compose
     from lightning_dist.strategies.compressed import Compressed as Compressed
     from lightning_dist.strategies.ddp import DDP as DDP
     from lightning_dist.strategies.diloco import DiLoCo as DiLoCo
@@ -40,6 +40,8 @@ def __getattr__(name: str) -> Any:
     """``lightning_dist.DDP`` (any strategy) and ``lightning_dist.<subpackage>``, imported on first use."""
     if name in STRATEGIES:
         return getattr(importlib.import_module("lightning_dist.strategies"), name)
+    if name == "compose":
+        return importlib.import_module("lightning_dist.strategies.compose").compose
     if not name.startswith("__"):
         try:
             return importlib.import_module(f"{__name__}.{name}")
