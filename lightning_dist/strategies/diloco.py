@@ -49,7 +49,7 @@ from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
 from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions
-from lightning_dist.strategies.rank_state import RankStateMixin, gather_objects
+from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
 
@@ -167,15 +167,15 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         """``{CHECKPOINT_KEY: ...}`` on rank 0, {} on the others: every rank's weights, inner optimizer
         and compressor state, and the outer state. Each rank's weights and optimizer states come from
         ``checkpoint`` (the one it dumped) or, without one, from its module and optimizer. A
-        collective: every rank calls it (``save_checkpoint`` gathers the same way)."""
+        collective: every rank calls it."""
         assert self.outer is not None, "DiLoCo.checkpoint_entry: setup() has not run"
         if checkpoint is None:
             checkpoint = {
                 "state_dict": self.lightning_module_state_dict(),
                 "optimizer_states": [self.optimizer_state(opt) for opt in self.optimizers],
             }
-        ranks = gather_objects(self.rank_state_comm(), self._own_state(checkpoint))
-        return {} if ranks is None else DILOCO_STATES.entry(ranks, self.world_size, **self._entry_fields())
+        ranks = self.gather_rank_states(checkpoint)  # the registry's pieces, as save_checkpoint gathers
+        return {} if ranks is None else self.rank_state_entries(ranks, checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

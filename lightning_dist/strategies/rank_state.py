@@ -81,9 +81,8 @@ class RankStateMixin(TrainingStateMixin, CollectiveOpsMixin):
     collective; put it before the strategy's Lightning base (``class DiLoCo(RankStateMixin, DDP)``).
 
     The state is what the strategy's parts registered in ``training_state`` (a ``StateRegistry``
-    the strategy owns). Subclasses not yet on the registry extend ``rank_state`` and
-    ``rank_state_entries`` cooperatively (``super()``), each under its own key of the per-rank dict,
-    so stacked strategies (``ElasticDiLoCo``) still gather once.
+    the strategy owns), gathered once however many parts contribute (``ElasticDiLoCo``: RNG and
+    DiLoCo's state).
     """
 
     def rank_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
