@@ -52,6 +52,7 @@ def train(a: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_dist
+    from lightning_dist.workload.trainer import quiet_trainer
 
     class Module(L.LightningModule):
         def __init__(self, vocab_size: int) -> None:
@@ -74,16 +75,7 @@ def train(a: argparse.Namespace) -> None:
     _, options = ROWS[a.row]
     strategy = lightning_dist.Compressed(**options) if options else lightning_dist.DDP()
     module = Module(data.vocab_size)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=a.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=a.steps)
     trainer.fit(module, DataLoader(data, batch_size=a.batch_size, shuffle=True))
     if trainer.global_rank == 0:
         tail = module.losses[-5:]

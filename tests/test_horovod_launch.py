@@ -18,6 +18,7 @@ from lightning_dist import Horovod, HorovodAdasum
 from lightning_dist.collectives.single import SingleProcessBackend
 from lightning_dist.preflight.horovod_launch import LAUNCHER_VARS, check_horovod_launched
 from lightning_dist.strategies.horovod_elastic import HorovodElastic
+from lightning_dist.workload.trainer import quiet_trainer
 
 
 class OneProcessHorovod(SingleProcessBackend):
@@ -75,16 +76,8 @@ def test_devices_2_without_a_launcher_is_refused_before_training(
     strategy._backend = OneProcessHorovod()
     model = Model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
+    trainer = quiet_trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, default_root_dir=tmp_path
     )
     with pytest.raises(ValueError) as info:
         trainer.fit(model)

@@ -11,13 +11,13 @@ the shards) and ``<name>.rank<r>.json`` (world size, global step, the pack's war
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
 
 import lightning as L
 import torch
+from rank_io import save_info
 from run_options import fit_each_run, trainer_length
 from torch.distributed.tensor import DTensor
 
@@ -64,8 +64,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "warnings": [str(w.message) for w in caught if str(w.message).startswith(OWNERS)],
     }
     torch.save(weights, os.path.join(out, f"{run['name']}.rank{rank}.pt"))
-    with open(os.path.join(out, f"{run['name']}.rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_info(out, f"{run['name']}.rank{rank}.json", info)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,14 +12,12 @@ size, the progress-bar keys and the batch shape.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
-from rank_io import parse
+from rank_io import parse, save_info
 
 import lightning_dist
 from lightning_dist import collectives
@@ -87,8 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch_size": config.batch_size,
         "seq_len": config.seq_len,
     }
-    with open(os.path.join(a.out, f"rank{trainer.global_rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_info(a.out, f"rank{trainer.global_rank}.json", info)
 
 
 if __name__ == "__main__":

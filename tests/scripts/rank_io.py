@@ -35,12 +35,17 @@ class RecordBatches(L.Callback):
         self.batches.append((batch[0].detach().cpu().clone(), batch[1].detach().cpu().clone()))
 
 
+def save_info(out: str, filename: str, info: dict[str, Any]) -> None:
+    """``info`` as JSON in ``out/filename`` (a rank's facts for its test)."""
+    with open(os.path.join(out, filename), "w") as fh:
+        json.dump(info, fh)
+
+
 def save_rank(out: str, rank: int, model: nn.Module, info: dict[str, Any], prefix: str = "") -> None:
     os.makedirs(out, exist_ok=True)
     weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     torch.save(weights, os.path.join(out, f"{prefix}rank{rank}.pt"))
-    with open(os.path.join(out, f"{prefix}rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_info(out, f"{prefix}rank{rank}.json", info)
 
 
 def save_fitted(out: str, trainer: L.Trainer, model: nn.Module, prefix: str = "", **info: Any) -> None:

@@ -22,7 +22,6 @@ and with ``record`` ``<name>.rank<r>.batches.pt``.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
@@ -31,7 +30,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
-from rank_io import RecordBatches
+from rank_io import RecordBatches, save_info
 from run_options import fit_each_run, trainer_length
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -243,8 +242,7 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
             {"initial": initial, "batches": record.batches},
             os.path.join(out, f"{run['name']}.rank{rank}.batches.pt"),
         )
-    with open(os.path.join(out, f"{run['name']}.rank{rank}.json"), "w") as fh:
-        json.dump(info, fh)
+    save_info(out, f"{run['name']}.rank{rank}.json", info)
 
 
 def main(argv: list[str] | None = None) -> None:
