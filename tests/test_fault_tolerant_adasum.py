@@ -232,13 +232,17 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
-def partitions(out: Path, groups: int = 2) -> dict[int, list[list[int]]]:
-    """step -> the samples each group trained in it, in participant order (the groups that
-    committed it, by replica id)."""
+def partitions(out: Path, groups: int = 2, ranks: int = 1) -> dict[int, list[list[int]]]:
+    """step -> the samples each group trained in it (over its ``ranks`` processes), in participant
+    order (the groups that committed it, by replica id)."""
     steps: dict[int, list[list[int]]] = {}
     for group in range(groups):
-        for row in ft.rows(out, group):
-            steps.setdefault(row["step"], []).append(row["indices"])
+        trained: dict[int, list[int]] = {}
+        for rank in range(ranks):
+            for row in ft.rows(out, group, rank):
+                trained.setdefault(row["step"], []).extend(row["indices"])
+        for step, indices in trained.items():
+            steps.setdefault(step, []).append(indices)
     return steps
 
 
@@ -272,14 +276,16 @@ def replay(steps: dict[int, list[list[int]]]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def adasum_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two launches at once, reduce_op="adasum": the fault-free run, and a run whose group 1 SIGKILLs
+    """Three launches at once, reduce_op="adasum": the fault-free run; a run whose group 1 SIGKILLs
     itself at step 4 (cold restart; the survivor slows down until the restart has rejoined, so it
-    trains some steps alone and the restart rejoins within the run)."""
+    trains some steps alone and the restart rejoins within the run); and 2 groups x 2 processes,
+    fault-free (the lanes of ``adasum_over_groups``)."""
     base = tmp_path_factory.mktemp("ft_adasum")
-    dirs = {name: base / name for name in ("reference", "kill")}
+    dirs = {name: base / name for name in ("reference", "kill", "groups")}
     env = {"FT_REDUCE_OP": "adasum"}
     launches = {
         "reference": ft.launch(dirs["reference"], steps=STEPS, **env),
+        "groups": ft.launch(dirs["groups"], steps=STEPS, nproc_per_group=2, **env),
         "kill": ft.launch(
             dirs["kill"],
             steps=STEPS,
@@ -348,3 +354,22 @@ def test_sigkilled_group_adasum_follows_its_quorum_history(adasum_runs: dict) ->
     assert max((expected[k] - fault_free[k]).abs().max().item() for k in expected) > 1e-4, (
         "the quorum history changed nothing: the comparison above would not see a wrong partition"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_two_processes_per_group_adasum_the_groups_sums(adasum_runs: dict) -> None:
+    """2 groups x 2 processes: each group's gradient is its two processes' slots' sum (made its mean),
+    the groups' are combined by Adasum lane by lane, and all four processes end bitwise equal, on the
+    replay of the run's partition (a group's slots are its processes': another partition than with
+    one process per group)."""
+    out = adasum_runs["groups"]
+    steps = partitions(out, ranks=2)
+    assert sorted(steps) == list(range(STEPS)) and all(len(p) == 2 for p in steps.values())
+    expected = replay(steps)
+    first = ft.weights(out, 0)
+    for group in range(2):
+        for rank in range(2):
+            got = ft.weights(out, group, rank)
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+            assert all(torch.equal(a, b) for a, b in zip(first.values(), got.values())), (group, rank)
