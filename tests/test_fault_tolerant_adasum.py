@@ -18,10 +18,11 @@ Tolerance: atol 1e-6, rtol 1e-5 (today's FaultTolerant tests'; float32 run again
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import ft_harness as ft
 import pytest
@@ -113,7 +114,9 @@ def _gloo(store: Any, prefix: str, rank: int, size: int) -> Any:
     from lightning_dist.collectives.fault_tolerant import bound_gloo_options
 
     prefixed = torch.distributed.PrefixStore(prefix, store)
-    return torch.distributed.ProcessGroupGloo(prefixed, rank, size, bound_gloo_options(timedelta(seconds=30), "127.0.0.1"))
+    return torch.distributed.ProcessGroupGloo(
+        prefixed, rank, size, bound_gloo_options(timedelta(seconds=30), "127.0.0.1")
+    )
 
 
 def _in_threads(n: int, fn: Callable[[int], Any]) -> list[Any]:
