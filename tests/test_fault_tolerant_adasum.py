@@ -43,6 +43,8 @@ KILL_STEP = 4
 STEPS = 16
 GLOBAL_BATCH = 16
 MICRO = 4
+FP16_ATOL = 2e-4
+"""fp16 on the wire against the fp32 replay (16 Adam steps, weights of order 0.4; measured 2.5e-5)."""
 
 
 # -- fast ---------------------------------------------------------------------------------------------
@@ -165,6 +167,30 @@ def test_managed_adasum_over_real_gloo_groups_is_the_reference(groups: int) -> N
             assert torch.equal(got, first), "the groups hold different results"
 
 
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
+def test_a_dense_compressor_adasums_each_tensor_in_its_wire_dtype(compressor: str) -> None:
+    """``CompressedGradients(..., adasum=True).reduce`` over the Manager's process group: one Adasum
+    per tensor (not of the fused buffer), in the compressor's wire dtype."""
+    from lightning_dist.compression import COMPRESSORS
+    from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
+
+    store = torch.distributed.HashStore()
+
+    def group(rank: int) -> list[torch.Tensor]:
+        comm = Communicator(ManagedBackend(_StubManager(_gloo(store, "quorum", rank, 2), rank, 2)))
+        return CompressedGradients(COMPRESSORS[compressor](), adasum=True).reduce(comm, _group_grads(rank))
+
+    results = _in_threads(2, group)
+    wire = torch.float16 if compressor == "fp16" else torch.float32
+    expected = adasum_reference([[t.to(wire) for t in _group_grads(r)] for r in range(2)])
+    tol = 1e-3 if compressor == "fp16" else 1e-6
+    for tensors in results:
+        for got, want, first in zip(tensors, expected, results[0], strict=True):
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want.float(), atol=tol, rtol=tol)
+            assert torch.equal(got, first)
+
+
 def test_lanes_of_two_process_groups_give_every_process_the_whole_adasum() -> None:
     """Two groups of two processes (threads): the group's sum, then lane ``r`` Adasums tensors
     ``r, r + 2, ...`` across the groups and a sum in the group hands out the rest; every process ends
@@ -281,14 +307,15 @@ def replay(steps: dict[int, list[list[int]]]) -> dict[str, torch.Tensor]:
 def adasum_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Three launches at once, reduce_op="adasum": the fault-free run; a run whose group 1 SIGKILLs
     itself at step 4 (cold restart; the survivor slows down until the restart has rejoined, so it
-    trains some steps alone and the restart rejoins within the run); and 2 groups x 2 processes,
-    fault-free (the lanes of ``adasum_over_groups``)."""
+    trains some steps alone and the restart rejoins within the run); 2 groups x 2 processes,
+    fault-free (the lanes of ``adasum_over_groups``); and fault-free with fp16 on the wire."""
     base = tmp_path_factory.mktemp("ft_adasum")
-    dirs = {name: base / name for name in ("reference", "kill", "groups")}
+    dirs = {name: base / name for name in ("reference", "kill", "groups", "fp16")}
     env = {"FT_REDUCE_OP": "adasum"}
     launches = {
         "reference": ft.launch(dirs["reference"], steps=STEPS, **env),
         "groups": ft.launch(dirs["groups"], steps=STEPS, nproc_per_group=2, **env),
+        "fp16": ft.launch(dirs["fp16"], steps=STEPS, FT_COMPRESSOR="fp16", **env),
         "kill": ft.launch(
             dirs["kill"],
             steps=STEPS,
@@ -376,3 +403,18 @@ def test_two_processes_per_group_adasum_the_groups_sums(adasum_runs: dict) -> No
             got = ft.weights(out, group, rank)
             torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
             assert all(torch.equal(a, b) for a, b in zip(first.values(), got.values())), (group, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_fp16_adasum_is_the_replay_within_its_rounding(adasum_runs: dict) -> None:
+    """``compressor="fp16"`` with ``reduce_op="adasum"``: the groups' means cross in fp16 and are
+    combined per tensor; the weights are the (fp32) replay's within fp16's rounding, and not the
+    fp32 run's bitwise (the wire was fp16)."""
+    out = adasum_runs["fp16"]
+    expected = replay(partitions(out))
+    got = ft.weights(out, 0)
+    torch.testing.assert_close(got, expected, atol=FP16_ATOL, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(got.values(), ft.weights(out, 1).values()))
+    fp32 = ft.weights(adasum_runs["reference"], 0)
+    assert any(not torch.equal(got[k], fp32[k]) for k in got), "the fp16 wire changed nothing"

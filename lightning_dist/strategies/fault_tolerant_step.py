@@ -62,7 +62,7 @@ class FaultTolerantStep(FaultTolerantCommits):
             if scale != 1:
                 grads = [g * scale for g in grads]
         if self.compression is not None:
-            grads = self.compression.reduce(self.transport.communicator, grads, adasum=adasum)
+            grads = self.compression.reduce(self.transport.communicator, grads)
         else:
             self.transport.adasum_over_groups(grads)
         for p, g in zip(params, grads, strict=True):

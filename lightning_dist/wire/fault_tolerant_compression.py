@@ -87,17 +87,19 @@ class CompressedGradients:
                 f"{allowed}"
             )
         self.compressor = compressor
+        self.adasum = adasum
+        """Whether ``reduce`` combines the groups' gradients by Adasum (``reduce_op="adasum"``)."""
         self.handoffs: list[Handoff] = []
         """Every committed handoff of compressor state to or from a peer (tests read them)."""
         self._received: Optional[tuple[dict[str, Any], int]] = None
         self._rollback: Optional[dict[str, Any]] = None
         self._handoff: Optional[Handoff] = None
 
-    def reduce(self, comm: Communicator, grads: list[Tensor], adasum: bool = False) -> list[Tensor]:
-        """The sum of ``grads`` over the quorum's groups, through the compressor; ``adasum``: their
-        Adasum, one exchange per tensor (the rule is per tensor), for compressors that allow it."""
+    def reduce(self, comm: Communicator, grads: list[Tensor]) -> list[Tensor]:
+        """The sum of ``grads`` over the quorum's groups, through the compressor; with ``adasum``:
+        their Adasum, one exchange per tensor (the rule is per tensor)."""
         w = comm.world_size
-        if adasum:
+        if self.adasum:
             exchanges = [
                 self.compressor.exchange(f"{KEY}.{j}", [g], world_size=w, rank=comm.rank, adasum=True)
                 for j, g in enumerate(grads)
