@@ -44,6 +44,10 @@ BY_HAND: list[tuple[dict[str, Any], Any]] = [
         lambda: ld.FaultTolerant(compressor="int8", **LIGHTHOUSE),
     ),
     (
+        {"resilience": "live", "sync": "adasum", **LIGHTHOUSE},
+        lambda: ld.FaultTolerant(reduce_op="adasum", **LIGHTHOUSE),
+    ),
+    (
         {"resilience": "live", "sync": "diloco", "inner_steps": 4, **LIGHTHOUSE},
         lambda: ld.FaultTolerantDiLoCo(inner_steps=4, **LIGHTHOUSE),
     ),
@@ -101,6 +105,10 @@ def test_every_other_combination_is_refused_with_its_reason(row: Combination) ->
         ({"layout": "hybrid", "replicas": 1}, "replicas=1: layout='hybrid' needs replicas >= 2"),
         ({"sync": "diloco", "wire": "topk"}, "compression='topk' is not supported by DiLoCo"),
         ({"inner_steps": 4}, "unknown option"),
+        (
+            {"resilience": "live", "sync": "adasum", "wire": "powersgd", **LIGHTHOUSE},
+            "FaultTolerant: compressor='powersgd' with reduce_op='adasum'",
+        ),
     ],
 )
 def test_bad_parts_name_the_argument_and_what_is_accepted(kwargs: dict[str, Any], message: str) -> None:

@@ -28,6 +28,16 @@ def owned_slots(slots: int, participants: int, rank: Optional[int]) -> int:
     return sum(owns_slot(j, participants, rank) for j in range(slots))
 
 
+def group_slots(slots: int, participants: int, group_size: int, rank: Optional[int]) -> int:
+    """How many of a step's ``slots`` the ``group_size`` processes of the quorum's participant
+    ``rank`` compute together (process ``g`` of participant ``p`` is ``p x group_size + g``)."""
+    if rank is None:
+        return 0
+    return sum(
+        owned_slots(slots, participants * group_size, rank * group_size + g) for g in range(group_size)
+    )
+
+
 class OwnBatches:
     """The training loader Lightning iterates: ``batches()`` (a new iterator per epoch). Its length,
     what one process trains in an epoch with every group there, keeps Lightning's fetcher from

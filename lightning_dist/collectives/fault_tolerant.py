@@ -335,6 +335,22 @@ class ManagedBackend(Backend):
         return self._torch[1]
 
     @override
+    def native_adasum(self, tensors: list[Tensor]) -> Optional[tuple[int, int]]:
+        """The library's Adasum (``adasum_all_reduce``) on the Manager's current process group, under
+        the contract of the other collectives here: once the step has failed, or when a peer fails
+        during it (reported to the Manager), the tensors are zeros and the step is not committed."""
+        from lightning_dist.collectives.adasum import adasum_all_reduce
+
+        if self.manager.errored() is None:
+            try:
+                return adasum_all_reduce(self._current(), tensors)
+            except Exception as exc:  # noqa: BLE001  (the Manager records it; the step is not committed)
+                self.manager.report_error(exc)
+        for t in tensors:
+            t.zero_()
+        return 0, 0
+
+    @override
     def broadcast(self, tensor: Tensor, src: int) -> Future:
         return self._managed(lambda: self._current().broadcast(tensor, src), tensor)
 
@@ -593,6 +609,30 @@ class FaultTolerantTransport:
         out = torch.empty_like(padded)
         self.group.all_gather_into(out, shard)
         return out[:n]
+
+    def adasum_over_groups(self, tensors: list[Tensor]) -> None:
+        """Adasum of each tensor over the quorum's groups (each group's value: the same on all of its
+        processes), in place, in the quorum's rank order (torchft's, by replica id), so every process
+        ends with the same tensors. One process per group: ``ManagedBackend``'s Adasum. Several: lane
+        ``r`` combines tensors ``r, r + G, ...`` with the same lane of the other groups, and a sum in
+        the group (each tensor non-zero on its own lane only, so the sum is exact) gives each process
+        all of them. A failed peer fails the step as ``ManagedBackend`` says."""
+        if self.group is None:
+            self.communicator.all_reduce(tensors, "adasum")
+            return
+        size, lane = self.group.world_size, self.group_rank
+        mine = tensors[lane::size]
+        if mine:
+            self.communicator.all_reduce(mine, "adasum")
+        for i, t in enumerate(tensors):
+            if i % size != lane:
+                t.zero_()
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        self.group.all_reduce(flat, "sum")
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def sum_in_group(self, flat: Tensor) -> Tensor:
         """``flat`` summed over the replica group's processes, in place (one process: as it is)."""

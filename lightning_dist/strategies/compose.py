@@ -47,8 +47,6 @@ _REFUSALS: dict[tuple[Optional[str], ...], str] = {
     ("hybrid", None, "commits", None): _RESHARD,
     ("sharded", None, "live", None): _LIVE_SHARDS,
     ("hybrid", None, "live", None): _LIVE_SHARDS,
-    (None, "adasum", "live", "torch"): "is not built: a step's gradients are summed over a quorum that can "
-    "change mid-step, and Adasum is not a sum; use sync='mean' with live recovery",
 }
 """Refused combinations: (layout, sync, resilience, engine), None matching any, and why; the first
 match counts."""
@@ -65,6 +63,7 @@ _PRESETS: dict[tuple[str, str, Optional[str], str], str] = {
     ("replicated", "adasum", "commits", "torch"): "Elastic",
     ("replicated", "diloco", "commits", "torch"): "ElasticDiLoCo",
     ("replicated", "mean", "live", "torch"): "FaultTolerant",
+    ("replicated", "adasum", "live", "torch"): "FaultTolerant",
     ("replicated", "diloco", "live", "torch"): "FaultTolerantDiLoCo",
     ("replicated", "mean", None, "horovod"): "Horovod",
     ("replicated", "adasum", None, "horovod"): "HorovodAdasum",
@@ -131,7 +130,8 @@ def _arguments(row: Combination, wire: Any, options: dict[str, Any]) -> tuple[st
         extra = {"reduce_op": "adasum"} if adasum and preset == "Elastic" else {}
         return preset, {**options, "compression": wire, **extra}
     if preset == "FaultTolerant":
-        return preset, {**options, **({} if wire is None else {"compressor": wire})}
+        extra = {"reduce_op": "adasum"} if adasum else {}
+        return preset, {**options, **({} if wire is None else {"compressor": wire}), **extra}
     return preset, {**options, "compression": wire}  # the DiLoCo family
 
 

@@ -38,6 +38,11 @@ the group: ``FaultTolerantTransport.sum_over_groups``), the commit is voted by t
 together, and a recovering process fetches the state of the same process of its peer group. Lightning
 sees the group's processes as ranks ``0..G-1`` (rank 0 writes checkpoints and logs).
 
+``reduce_op="adasum"``: each group's gradient (its slots' sum, times ``M / n`` for its ``n`` slots: the
+mean over its own samples, what a rank of ``DDP(reduce_op="adasum")`` brings) is combined with the
+other groups' by Adasum per parameter tensor, in the quorum's rank order; a step whose quorum changes
+is not committed, so each committed step is one quorum's Adasum (docs/live-recovery.md).
+
 ``compressor=`` sends the gradients through one of the pack's compressors (``Compressed``'s names
 and objects); its state follows the groups across failures (``fault_tolerant_compression``).
 """
@@ -68,7 +73,7 @@ from lightning_dist.strategies.fault_tolerant_slots import FaultTolerantSlots
 from lightning_dist.strategies.fault_tolerant_state import OWNER, StepRecord
 from lightning_dist.strategies.launch_needs import TORCHFT
 from lightning_dist.strategies.names import register_class
-from lightning_dist.strategies.options import option_names, options_from
+from lightning_dist.strategies.options import FAULT_TOLERANT_REDUCE_OPS, op_name, option_names, options_from
 from lightning_dist.strategies.options_resilience import FaultTolerantOptions
 from lightning_dist.wire.fault_tolerant_compression import CompressedGradients
 
@@ -118,6 +123,11 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
             ``lightning_dist.compression.Compressor`` instance. A recovering group receives the
             compressor's state from its peer with the rest; error-feedback residuals are split
             between them (``fault_tolerant_compression``).
+        reduce_op: how the quorum's groups' gradients combine: ``"avg"`` (their sum, each micro-batch
+            loss divided by the step's ``M``: the mean over the step's samples), or ``"adasum"``
+            (``DDP(reduce_op="adasum")``'s gradient-space Adasum per parameter tensor, of each group's
+            mean gradient over its own slots; module docstring). With a compressor, ``"adasum"``
+            takes those whose exchange is one all-reduce (``none``, ``fp16``, ``bf16``).
         **compressor_options: the named compressor's options (``rank=2``).
     """
 
@@ -146,10 +156,12 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
         checkpoint_io: Optional[Any] = None,
         precision_plugin: Optional[Any] = None,
         compressor: Optional[Union[str, Compressor]] = None,
+        reduce_op: str = "avg",
         **compressor_options: Any,
     ) -> None:
         self.options = options_from(FaultTolerantOptions, locals())
-        accepted = [*option_names(FaultTolerantOptions), "device", "compressor"]
+        self.reduce_op = op_name(reduce_op, FAULT_TOLERANT_REDUCE_OPS, argument="reduce_op", default="avg")
+        accepted = [*option_names(FaultTolerantOptions), "device", "compressor", "reduce_op"]
         if compressor is None and compressor_options:
             raise ValueError(
                 f"{OWNER} got unknown option(s) {', '.join(sorted(compressor_options))}; compressor options "
@@ -160,7 +172,7 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
             built = build_compressor(
                 compressor, COMPRESSORS, options=compressor_options, owner=OWNER, strategy_options=accepted
             )
-            self.compression = CompressedGradients(built)
+            self.compression = CompressedGradients(built, adasum=self.reduce_op == "adasum", owner=OWNER)
         self.register_peer_state()
         self.verbose = verbose_wanted(self.options.verbose)
         configure_torchft_logs(self.verbose)  # before torchft's first import: its servers read RUST_LOG then

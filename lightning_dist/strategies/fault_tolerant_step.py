@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_dist.algorithms.micro_batch_slots import scaled_loss
+from lightning_dist.algorithms.micro_batch_slots import group_slots, scaled_loss
 from lightning_dist.compat import mark_last_batch
 from lightning_dist.compression.packing import unflatten
 from lightning_dist.strategies.fault_tolerant_commits import FaultTolerantCommits
@@ -26,6 +26,10 @@ def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 class FaultTolerantStep(FaultTolerantCommits):
     """A step's gradients, commit, optimizer step and scheduler undo (module docstring)."""
 
+    reduce_op: str = "avg"
+    """How the groups' gradients combine: ``"avg"`` (their sum: the mean over the step's samples) or
+    ``"adasum"`` (``FaultTolerant``'s ``reduce_op``)."""
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
@@ -36,25 +40,40 @@ class FaultTolerantStep(FaultTolerantCommits):
     def _reduce_gradients(self) -> None:
         """Sum every parameter's gradient over every process of the quorum's groups (one flat sum:
         ``sum_over_groups``; or the group's sum, then the compressor's exchange of it, the same on
-        each of the group's processes, so they keep the same compressor state)."""
+        each of the group's processes, so they keep the same compressor state). ``reduce_op="adasum"``:
+        the group's sum, made the mean over the group's slots (``group_mean_scale``), then Adasum of
+        the groups' means per parameter tensor (``adasum_over_groups``, or the compressor's exchange)."""
         assert self.transport is not None and self.lightning_module is not None
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if self.compression is not None:
-            if self.transport.group is not None:
-                grads = unflatten(
-                    self.transport.sum_in_group(torch.cat([g.reshape(-1) for g in grads])), grads
-                )
-            summed = self.compression.reduce(self.transport.communicator, grads)
-            for p, g in zip(params, summed, strict=True):
-                p.grad = g.view_as(p)
+        adasum = self.reduce_op == "adasum"
+        if self.compression is None and not adasum:
+            flat = self.transport.sum_over_groups(torch.cat([g.reshape(-1) for g in grads]))
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+                offset += n
             return
-        flat = self.transport.sum_over_groups(torch.cat([g.reshape(-1) for g in grads]))
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
-            offset += n
+        if self.transport.group is not None:
+            grads = unflatten(self.transport.sum_in_group(torch.cat([g.reshape(-1) for g in grads])), grads)
+        if adasum:
+            scale = self.group_mean_scale()
+            if scale != 1:
+                grads = [g * scale for g in grads]
+        if self.compression is not None:
+            grads = self.compression.reduce(self.transport.communicator, grads)
+        else:
+            self.transport.adasum_over_groups(grads)
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.view_as(p)
+
+    def group_mean_scale(self) -> float:
+        """``M / n``: what turns this group's gradient (its ``n`` slots' gradients, each of a loss
+        divided by the step's ``M``) into the mean over its own samples, the gradient each rank of
+        ``DDP(reduce_op="adasum")`` brings to Adasum."""
+        own = group_slots(self.slots_per_step, self._participants, self._group_size, self._rank)
+        return self.slots_per_step / own if own else 1.0
 
     @override
     def optimizer_step(

@@ -25,6 +25,7 @@ from lightning_dist.collectives.ops import normalize_op, op_name
 __all__ = [
     "COMPRESSED_REDUCE_OPS",
     "DILOCO_COMPRESSIONS",
+    "FAULT_TOLERANT_REDUCE_OPS",
     "GRADIENT_REDUCE_OPS",
     "HOROVOD_COMPRESSIONS",
     "HOROVOD_OPS",
@@ -46,6 +47,9 @@ GRADIENT_REDUCE_OPS = ("avg", "sum", "adasum")
 """How ``DDP`` combines gradients."""
 COMPRESSED_REDUCE_OPS = ("avg", "adasum")
 """How ``Compressed`` (and ``Elastic``) combine gradients."""
+FAULT_TOLERANT_REDUCE_OPS = ("avg", "adasum")
+"""How ``FaultTolerant`` combines the quorum's groups' gradients (the mean over the step's samples, or
+Adasum of each group's mean)."""
 HOROVOD_OPS = ("avg", "sum")
 """How ``Horovod`` combines gradients (Adasum of the updates is ``HorovodAdasum``)."""
 HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")

@@ -32,7 +32,7 @@ from torch import Tensor
 from lightning_dist.algorithms.cpu_state import map_tensors
 from lightning_dist.collectives import Communicator
 from lightning_dist.collectives.exchanges import run_exchanges
-from lightning_dist.compression import Compressor
+from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.compression.packing import unflatten
 
 PER_GROUP = ("residual", "momentum")
@@ -78,8 +78,17 @@ class Handoff:
 class CompressedGradients:
     """The compressor of a ``FaultTolerant`` group and its per-step transaction (module docstring)."""
 
-    def __init__(self, compressor: Compressor) -> None:
+    def __init__(self, compressor: Compressor, adasum: bool = False, owner: str = "FaultTolerant") -> None:
+        if adasum and not compressor.supports_adasum:
+            allowed = ", ".join(n for n, c in COMPRESSORS.items() if c.supports_adasum)
+            raise ValueError(
+                f"{owner}: compressor={compressor.name!r} with reduce_op='adasum': its exchange is not one "
+                f"all-reduce that Adasum can replace; accepted with reduce_op='adasum': compressor=None, "
+                f"{allowed}"
+            )
         self.compressor = compressor
+        self.adasum = adasum
+        """Whether ``reduce`` combines the groups' gradients by Adasum (``reduce_op="adasum"``)."""
         self.handoffs: list[Handoff] = []
         """Every committed handoff of compressor state to or from a peer (tests read them)."""
         self._received: Optional[tuple[dict[str, Any], int]] = None
@@ -87,8 +96,20 @@ class CompressedGradients:
         self._handoff: Optional[Handoff] = None
 
     def reduce(self, comm: Communicator, grads: list[Tensor]) -> list[Tensor]:
-        """The sum of ``grads`` over the quorum's groups, through the compressor."""
+        """The sum of ``grads`` over the quorum's groups, through the compressor; with ``adasum``:
+        their Adasum, one exchange per tensor (the rule is per tensor)."""
         w = comm.world_size
+        if self.adasum:
+            exchanges = [
+                self.compressor.exchange(f"{KEY}.{j}", [g], world_size=w, rank=comm.rank, adasum=True)
+                for j, g in enumerate(grads)
+            ]
+            run_exchanges(comm, [[ex] for ex in exchanges]).wait()
+            combined = []
+            for ex in exchanges:
+                assert ex.result is not None
+                combined.append(ex.result[0])
+            return combined
         per_tensor = self.compressor.per_tensor
         tensors = grads if per_tensor else [torch.cat([g.reshape(-1) for g in grads])]
         ex = self.compressor.exchange(KEY, tensors, world_size=w, rank=comm.rank)

@@ -8,7 +8,8 @@ FT_TIMEOUT (the strategy's timeout_s), FT_RESTART_PAUSE (seconds a restarted wor
 FT_RESTART_AFTER (a group whose step without all groups a restarted worker waits for first),
 FT_KILL_IN_RECOVERY (a group whose first restart SIGKILLs
 itself while it applies its peer's state), FT_COMMITS (the commits' directory), FT_COMPRESSOR and
-FT_COMPRESSOR_OPTIONS (``FaultTolerant(compressor=..., **options)``, the options as JSON),
+FT_COMPRESSOR_OPTIONS (``FaultTolerant(compressor=..., **options)``, the options as JSON), FT_REDUCE_OP
+(``FaultTolerant(reduce_op=...)``),
 FT_DROP_RESIDUAL (``group:step``: that group's error-feedback residuals are zeroed at that step's
 start, what a group killed there loses), FT_INNER=sgd (plain SGD instead of Adam), FT_STRATEGY=diloco
 (``FaultTolerantDiLoCo``, FT_H inner steps, FT_REJOIN_TIMEOUT, FT_DILOCO_COMPRESSION; it also writes
@@ -239,7 +240,10 @@ def main() -> None:
     data = TensorDataset(x, y, torch.arange(n))
     compressor = os.environ.get("FT_COMPRESSOR") or None
     kind: Any = partial(
-        FaultTolerant, compressor=compressor, **json.loads(os.environ.get("FT_COMPRESSOR_OPTIONS", "{}"))
+        FaultTolerant,
+        compressor=compressor,
+        reduce_op=os.environ.get("FT_REDUCE_OP", "avg"),
+        **json.loads(os.environ.get("FT_COMPRESSOR_OPTIONS", "{}")),
     )
     if os.environ.get("FT_STRATEGY") == "diloco":
         rejoin = float(os.environ.get("FT_REJOIN_TIMEOUT", "60"))
