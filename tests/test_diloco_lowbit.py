@@ -69,7 +69,9 @@ def test_int4_weights_near_the_uncompressed_run_and_ranks_equal(trained: Path) -
     assert_same_weights(weights(trained, "int4", 1), weights(trained, "int4"), atol=0)
     moved, drift = float((none - first).norm()), float((got - none).norm())
     worst, largest = float((got - none).abs().max()), float((none - first).abs().max())
-    print(f"int4 vs uncompressed: l2 {drift / moved:.3f} of the move, max {worst:.3g} (largest move {largest:.3g})")
+    print(
+        f"int4 vs uncompressed: l2 {drift / moved:.3f} of the move, max {worst:.3g} (largest move {largest:.3g})"
+    )
     assert moved > 1e-1 and 0 < drift <= 0.1 * moved and worst <= 0.25 * largest
     shapes = [tuple(p.shape) for p in TinyCausalLM(WorkloadConfig.tiny(seed=7)).parameters()]
     for rank in (0, 1):

@@ -87,7 +87,9 @@ def test_average_matches_a_float64_reimplementation_and_ranks_agree(w: int) -> N
     residual = [torch.zeros(n, dtype=torch.float64) for _ in range(w)]
     for t in range(3):
         xs = inputs(10 * w + t, n, w)
-        results = simulate([c.exchange(0, [x], world_size=w, rank=r) for r, (c, x) in enumerate(zip(comps, xs))])
+        results = simulate(
+            [c.exchange(0, [x], world_size=w, rank=r) for r, (c, x) in enumerate(zip(comps, xs, strict=True))]
+        )
         for other in results[1:]:
             assert torch.equal(other[0], results[0][0]), "every rank decodes the same bits"
         sent = []
@@ -134,7 +136,10 @@ def test_payload_bytes_formula(w: int, n: int, cs: int, ratio: float) -> None:
     ex = c.exchange(0, torch.randn(n), world_size=w)
     if w > 1:
         assert ex.round is not None and ex.round.payload.nbytes == row
-        simulate([ex, *[SparseLoCo(ratio=ratio, chunk_size=cs).exchange(0, torch.randn(n), world_size=w, rank=r) for r in range(1, w)]])
+        others = [SparseLoCo(ratio=ratio, chunk_size=cs) for _ in range(1, w)]
+        simulate(
+            [ex, *[o.exchange(0, torch.randn(n), world_size=w, rank=r + 1) for r, o in enumerate(others)]]
+        )
         assert ex.wire_bytes == (w - 1) * row
     assert c.wire_bytes([(n,)], w) == (w - 1) * row
     if (n, w) == (64 * 100, 2):

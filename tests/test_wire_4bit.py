@@ -81,7 +81,9 @@ def test_average_over_ranks_within_the_bound(w: int) -> None:
     cs, n = 64, 64 * 9 + 17
     xs = inputs(w, n, w)
     comps = [make_compressor("int4") for _ in range(w)]
-    results = simulate([c.exchange(0, [x], world_size=w, rank=r) for r, (c, x) in enumerate(zip(comps, xs))])
+    results = simulate(
+        [c.exchange(0, [x], world_size=w, rank=r) for r, (c, x) in enumerate(zip(comps, xs, strict=True))]
+    )
     for other in results[1:]:
         assert torch.equal(other[0], results[0][0]), "every rank decodes the same bits"
     mean = sum(blocks64(x, cs) for x in xs) / w
@@ -126,7 +128,9 @@ def test_gloo_threads_agree_bitwise_with_the_simulation(w: int) -> None:
     from lightning_dist.testing import run_in_threads
 
     xs = inputs(5, 64 * 7 + 5, w)
-    expected = simulate([make_compressor("int4").exchange(0, [x], world_size=w, rank=r) for r, x in enumerate(xs)])
+    expected = simulate(
+        [make_compressor("int4").exchange(0, [x], world_size=w, rank=r) for r, x in enumerate(xs)]
+    )
 
     def body(comm: Any) -> tuple[torch.Tensor, int, int]:
         ex = make_compressor("int4").exchange(0, [xs[comm.rank]], world_size=w, rank=comm.rank)
