@@ -166,11 +166,12 @@ def test_state_resumes_bitwise_and_non_finite_steps_keep_it() -> None:
     assert torch.equal(a.state_dict()["keys"][0]["residual"], before), "a skipped step leaves the residual"
 
 
-def test_gloo_threads_agree_bitwise_with_the_simulation() -> None:
+@pytest.mark.parametrize("w", [2, 3])
+def test_gloo_threads_agree_bitwise_with_the_simulation(w: int) -> None:
     from lightning_dist.collectives.exchanges import run_exchanges
     from lightning_dist.testing import run_in_threads
 
-    w, n = 2, 64 * 9 + 3
+    n = 64 * 9 + 3
     xs = inputs(3, n, w)
     expected = simulate([SparseLoCo().exchange(0, [x], world_size=w, rank=r) for r, x in enumerate(xs)])
 
