@@ -18,7 +18,6 @@ any non-finite input, the residual stays as it was (a GradScaler-style skip).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,8 +68,9 @@ def chunk_scales(kept: Tensor) -> Tensor:
     (never below the absmax, so every kept value is within [-s, s]); inf beyond fp16's range."""
     absmax = torch.maximum(kept.amax(dim=-1), kept.amin(dim=-1).neg())
     half = absmax.half()
-    low = half.float() < absmax
-    return torch.where(low, torch.nextafter(half, torch.full_like(half, math.inf)), half)
+    low = half.float() < absmax  # false for inf and nan
+    # the next fp16 up: a non-negative fp16's bit pattern plus one (on every device, unlike nextafter)
+    return torch.where(low, half.view(torch.int16).add(1).view(torch.float16), half)
 
 
 def encode_values(kept: Tensor, scale: Tensor) -> Tensor:
