@@ -62,7 +62,18 @@ def test_factory_builds_every_name() -> None:
     for name, cls in COMPRESSORS.items():
         c = make_compressor(name)
         assert isinstance(c, cls) and c.name == name
-    assert set(COMPRESSORS) == {"none", "fp16", "bf16", "int8", "topk", "powersgd", "sign", "demo"}
+    assert set(COMPRESSORS) == {
+        "none",
+        "fp16",
+        "bf16",
+        "int8",
+        "topk",
+        "powersgd",
+        "sign",
+        "demo",
+        "int4",
+        "sparseloco",
+    }
     assert make_compressor("PowerSGD", rank=2).config.rank == 2
 
 

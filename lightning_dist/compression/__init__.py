@@ -3,7 +3,7 @@
 Modules: ``protocol`` (rounds, exchanges, the ``Compressor`` base and its state), ``wire`` (bytes one
 rank sends per collective), ``packing`` (pure tensor helpers), ``sparse`` (gathered (value, index)
 pairs), and one module per algorithm family: ``dense`` (none, fp16, bf16), ``int8``, ``topk``,
-``powersgd``, ``sign``, ``decoupled_momentum`` (demo).
+``powersgd``, ``sign``, ``decoupled_momentum`` (demo), ``int4``, ``sparseloco``.
 """
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ from typing import Any
 
 from lightning_dist.compression.decoupled_momentum import DeMo, DeMoConfig
 from lightning_dist.compression.dense import BF16Compression, FP16Compression, NoCompression
+from lightning_dist.compression.int4 import Int4Config, Int4Quantization
 from lightning_dist.compression.int8 import Int8Config, Int8Quantization
 from lightning_dist.compression.powersgd import PowerSGD, PowerSGDConfig
 from lightning_dist.compression.protocol import Compressor, Exchange, NoOptions, Round, simulate
 from lightning_dist.compression.sign import Sign, SignConfig
+from lightning_dist.compression.sparseloco import SparseLoCo, SparseLoCoConfig
 from lightning_dist.compression.topk import TopK, TopKConfig
 from lightning_dist.compression.wire import (
     all_gather_bytes,
@@ -33,6 +35,8 @@ COMPRESSORS: dict[str, type[Compressor]] = {
     "powersgd": PowerSGD,
     "sign": Sign,
     "demo": DeMo,
+    "int4": Int4Quantization,
+    "sparseloco": SparseLoCo,
 }
 
 
@@ -52,6 +56,8 @@ __all__ = [
     "DeMoConfig",
     "Exchange",
     "FP16Compression",
+    "Int4Config",
+    "Int4Quantization",
     "Int8Config",
     "Int8Quantization",
     "NoCompression",
@@ -61,6 +67,8 @@ __all__ = [
     "Round",
     "Sign",
     "SignConfig",
+    "SparseLoCo",
+    "SparseLoCoConfig",
     "TopK",
     "TopKConfig",
     "all_gather_bytes",

@@ -70,8 +70,8 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         outer_lr: the outer SGD's learning rate (1.0 with ``outer_momentum=0``: plain parameter averaging).
         outer_momentum: the outer SGD's momentum, in [0, 1).
         nesterov: Nesterov momentum for the outer SGD (ignored when ``outer_momentum`` is 0).
-        compression: None, "none", "fp16", "bf16" or "int8" (or such a ``Compressor``): how the
-            pseudo-gradients cross the wire.
+        compression: None, "none", "fp16", "bf16", "int8", "int4" or "sparseloco" (or such a
+            ``Compressor``): how the pseudo-gradients cross the wire (``docs/wire-formats-lowbit.md``).
         sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync.
         accelerator ... start_method: as ``DDP``'s (``start_method="auto"``: fork in notebooks).
     """

@@ -17,7 +17,7 @@ from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.compression.builder import build_compressor
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
-from lightning_dist.strategies.options import DILOCO_COMPRESSIONS
+from lightning_dist.strategies.options import DILOCO_COMPRESSIONS, DILOCO_LOWBIT_COMPRESSIONS
 from lightning_dist.strategies.part_field import PartField
 from lightning_dist.sync.diloco import DiLoCoSync
 
@@ -28,7 +28,7 @@ def build_diloco_compressor(compression: Union[None, str, Compressor]) -> Compre
         compression,
         COMPRESSORS,
         argument="compression",
-        accepted=DILOCO_COMPRESSIONS,
+        accepted=(*DILOCO_COMPRESSIONS, *DILOCO_LOWBIT_COMPRESSIONS),
         refusal=" by DiLoCo (the pseudo-gradient needs an average)",
     )
 

@@ -83,7 +83,7 @@ class FaultTolerantDiLoCo(DiLoCoPeriods):
     Args:
         inner_steps: ``DiLoCo``'s; its other options (``outer_lr``, ``outer_momentum``, ``nesterov``,
             ``compression``, ``sync_buffers``) go in ``**options`` (``compression``: how the pseudo-gradients cross the wire: None, "none", "fp16", "bf16",
-            "int8"; int8's all-to-all and all-gather run on the quorum's process group, outside the
+            "int8", "int4", "sparseloco"; int8's and int4's all-to-all and all-gather run on the quorum's process group, outside the
             Manager's all-reduce: an error there also makes the sync not commit).
         rejoin_timeout_s: how long the groups of a sync that did not commit wait for the period's
             groups to be back in the quorum before they run the period again among themselves.

@@ -25,6 +25,7 @@ from lightning_dist.collectives.ops import normalize_op, op_name
 __all__ = [
     "COMPRESSED_REDUCE_OPS",
     "DILOCO_COMPRESSIONS",
+    "DILOCO_LOWBIT_COMPRESSIONS",
     "FAULT_TOLERANT_REDUCE_OPS",
     "GRADIENT_REDUCE_OPS",
     "HOROVOD_COMPRESSIONS",
@@ -54,7 +55,10 @@ HOROVOD_OPS = ("avg", "sum")
 """How ``Horovod`` combines gradients (Adasum of the updates is ``HorovodAdasum``)."""
 HOROVOD_COMPRESSIONS = (None, "none", "fp16", "bf16")
 DILOCO_COMPRESSIONS = ("none", "fp16", "bf16", "int8")
-"""Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs)."""
+"""Compressors whose exchange returns the average over ranks (what the pseudo-gradient needs), each
+with registered ``ld_diloco_<name>`` strategy names."""
+DILOCO_LOWBIT_COMPRESSIONS = ("int4", "sparseloco")
+"""The low-bit pseudo-gradient formats DiLoCo also takes (``docs/wire-formats-lowbit.md``)."""
 SHARDED_COMPRESSIONS = (None, "bf16", "fp16", "int8")
 """How ``Sharded`` reduce-scatters gradients inside a shard group (None: fp32, uncompressed)."""
 SHARDED_REDUCE_OPS = ("avg", "adasum")

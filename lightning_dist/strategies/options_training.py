@@ -93,7 +93,8 @@ class DiLoCoOptions:
     """In [0, 1)."""
     nesterov: bool = True
     compression: Any = None
-    """None, ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"`` or such a ``Compressor`` (checked where it is built)."""
+    """None, ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``, ``"sparseloco"`` or such a
+    ``Compressor`` (checked where it is built)."""
     sync_buffers: bool = True
 
     def __post_init__(self) -> None:

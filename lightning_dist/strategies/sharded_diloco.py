@@ -83,8 +83,8 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
 
     Args:
         inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers: as ``DiLoCo``'s.
-        compression: the pseudo-gradients on the wire: None, ``"none"``, ``"fp16"``, ``"bf16"`` or
-            ``"int8"`` (or such a ``Compressor``).
+        compression: the pseudo-gradients on the wire: None, ``"none"``, ``"fp16"``, ``"bf16"``,
+            ``"int8"``, ``"int4"`` or ``"sparseloco"`` (or such a ``Compressor``).
         replicas: replica groups (DiLoCo's workers); each shards the model over world_size / replicas
             ranks. ``"auto"``: the number of nodes when there are several (one replica group per node,
             sharded over its devices), else the world size (no sharding: DiLoCo over ranks).
