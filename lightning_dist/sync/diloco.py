@@ -136,17 +136,13 @@ class DiLoCoSync:
         return self._plan[1]
 
     def step_done(self, ends: bool) -> bool:
-        """Count an inner optimizer step; whether ``sync`` is due: every ``inner_steps``-th (every
-        H/P-th, and while an exchange is in flight), or ``ends`` (the last step of ``fit``)."""
+        """Count an inner optimizer step; whether ``sync`` is due: every ``inner_steps``-th (with
+        streaming every H/P-th, and tau steps before, to start its exchange), or ``ends`` (the last
+        step of ``fit``)."""
         self.inner_step += 1
         self.states = [MOVED] * self.fragments
         self.ending = ends
-        return (
-            ends
-            or self.pending is not None
-            or self.schedule.starts(self.inner_step)
-            or self.schedule.lands(self.inner_step)
-        )
+        return ends or self.schedule.starts(self.inner_step) or self.schedule.lands(self.inner_step)
 
     def tail_due(self) -> bool:
         """Whether inner steps since the last sync are left to sync (the end of ``fit``)."""
@@ -163,18 +159,19 @@ class DiLoCoSync:
         module: Optional[nn.Module],
         buffer_comm: Communicator,
     ) -> None:
-        """What is due (``step_done``): the end of ``fit``'s sync, or the next round of the exchange
-        in flight, its start, its landing (average over ``comm`` through ``compressor``, outer step,
+        """What is due (``step_done``): the end of ``fit``'s sync, or a fragment exchange's start, its
+        landing (average over ``comm`` through ``compressor``, outer step,
         mixing); ``module``'s floating-point buffers averaged over ``buffer_comm`` every H steps."""
         assert self.outer is not None, "DiLoCoSync.sync: start() has not run"
+        if not self.streaming:  # DiLoCo: the whole model now, whenever asked (the tail's too)
+            self.ending = False
+            self._land(comm, compressor, 0, 0.0)
+            self._buffers(module, buffer_comm, comm.stats)
+            self.inner_step = 0
+            return
         if self.ending:
             self._finish(comm, compressor, module, buffer_comm)
             return
-        pending = self.pending
-        if pending is not None and not self.schedule.lands(self.inner_step):
-            before = pending.sent
-            pending.advance(comm)
-            self.sync_bytes += pending.sent - before
         if self.schedule.starts(self.inner_step):
             self._start(comm, compressor)
         if self.schedule.lands(self.inner_step):
@@ -231,8 +228,6 @@ class DiLoCoSync:
         last-sync parameters, every moved one syncs (one outer step over them), the buffers averaged."""
         outer = self.outer
         assert outer is not None
-        if not self.streaming and self.inner_step > 0:  # DiLoCo's tail: whatever the states say
-            self.states = [MOVED]
         if self.pending is not None:
             self._land(comm, compressor, self.pending.fragment, 0.0)
         plan = self.plan()

@@ -1,10 +1,11 @@
 """Streaming DiLoCo's overlapped exchange: a fragment's pseudo-gradient average started after one
 inner step and landed ``fragment_sync_delay`` steps later.
 
-The exchange's rounds are posted from the training thread, one per inner step (the first when it
-starts, the rest at the next steps, whatever is left when it lands), never from a transport
-callback: so every rank posts them at the same place among its other collectives (the logged loss,
-a checkpoint's gather), whatever the timing, and a compressor with several rounds stays in step.
+The exchange's rounds are posted from the training thread: the first when it starts (it is in
+flight over the next tau inner steps), any further ones (int8's all-gather after its all-to-all at
+more than 2 ranks) when it lands; never from a transport callback, so every rank posts them at the
+same place among its other collectives (the logged loss, a checkpoint's gather), whatever the
+timing.
 A checkpoint taken while one is in flight lands it first (``land``) and saves the average: the
 numbers do not depend on when it arrives.
 """
@@ -71,7 +72,7 @@ class PendingExchange:
         return pending
 
     def advance(self, comm: Communicator) -> None:
-        """Take the round in flight (waiting for it) and post the next one, if any."""
+        """Take the round in flight (waiting for it) and post the next one; the average once none is left."""
         if self.averaged is not None:
             return
         before = comm.stats.bytes_sent
