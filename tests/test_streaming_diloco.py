@@ -211,8 +211,15 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sharded_streaming")
     ckpt = str(out / "epoch1.ckpt")
     runs: list[dict[str, Any]] = [
-        {"name": "full", "epochs": 2, "save": ckpt, "save_at_epoch": 0, "snapshot_as": "first",
-         "options": SHARDED_STREAM, **SHARDED},  # fmt: skip
+        {
+            "name": "full",
+            "epochs": 2,
+            "save": ckpt,
+            "save_at_epoch": 0,
+            "snapshot_as": "first",
+            "options": SHARDED_STREAM,
+            **SHARDED,
+        },  # fmt: skip
         {"name": "resumed", "epochs": 2, "resume": ckpt, "options": SHARDED_STREAM, **SHARDED},
         {"name": "plain", "epochs": 2, "options": {**H4, "replicas": 2}, **SHARDED},
     ]
@@ -236,7 +243,7 @@ def test_sharded_diloco_streams_resumes_bitwise_and_ends_synced(sharded: Path) -
     assert_same_weights(w("full", 1), w("full", 0), atol=0)
     drift = max_abs_diff(w("full", 0), w("plain", 0))
     print(f"sharded streaming vs DiLoCo: max abs diff {drift:.3g}")
-    assert 0 < drift and math.isfinite(drift)
+    assert drift > 0 and math.isfinite(drift)
     got = json.loads((sharded / "full.rank0.json").read_text())
     plain = json.loads((sharded / "plain.rank0.json").read_text())
     assert got["sync_bytes"] > 0 and plain["sync_bytes"] > 0

@@ -63,7 +63,9 @@ class DiLoCoLoop(CollectiveOpsMixin):
         streaming: tuple[int, int, float] = (1, 0, 0.0),
     ) -> None:
         """The sync part; ``streaming``: ``DiLoCoOptions.streaming`` (P, tau, alpha)."""
-        self.diloco_sync = DiLoCoSync(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers, *streaming)
+        self.diloco_sync = DiLoCoSync(
+            inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers, *streaming
+        )
 
     def pseudo_gradient_comm(self) -> Communicator:
         """Over whom the pseudo-gradients are averaged: every rank (``DiLoCo``)."""

@@ -222,7 +222,11 @@ class DiLoCoSync:
         self.syncs += 1
 
     def _finish(
-        self, comm: Communicator, compressor: Compressor, module: Optional[nn.Module], buffer_comm: Communicator
+        self,
+        comm: Communicator,
+        compressor: Compressor,
+        module: Optional[nn.Module],
+        buffer_comm: Communicator,
     ) -> None:
         """The end of ``fit``: the exchange in flight lands without mixing, a mixed fragment takes its
         last-sync parameters, every moved one syncs (one outer step over them), the buffers averaged."""
