@@ -90,6 +90,7 @@ def info(out: Path, name: str, rank: int = 0) -> dict[str, Any]:
 
 
 H4 = {"inner_steps": 4}
+P1 = {"fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
 STREAM = {**H4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
 """Fragment 0 starts after step 1 and lands after step 2, fragment 1 after steps 3 and 4, ..."""
 RESUME = {"options": STREAM, "batches_per_epoch": 5}
@@ -107,7 +108,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "omitted", "options": H4, "steps": 8, "record_step_bytes": True},
         {
             "name": "p1",
-            "options": {**H4, "fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0},
+            "options": {**H4, **P1},
             "steps": 8,
         },
         {"name": "stream", "options": STREAM, "steps": 7, "record_batches": True, "record_step_bytes": True},
@@ -115,6 +116,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"name": "full", "epochs": 2, "save": ckpt, "save_at_epoch": 0, **RESUME},
         {"name": "resumed", "epochs": 2, "resume": ckpt, **RESUME},
         {"name": "stopped", "options": STREAM, "steps": 20, "stop_at": 5},
+        {"name": "int8", "options": {**STREAM, "compression": "int8"}, "steps": 7},
     ]
     run_script([SCRIPT, "--out", str(out), "--runs", json.dumps(runs)], timeout=FIXTURE_BUDGET)
     return out
@@ -151,7 +153,7 @@ def test_two_fragments_overlapped_and_mixed_match_a_float64_reference(trained: P
     assert info(trained, "stream")["syncs"] == 4 and info(trained, "stream")["inner_step"] == 0
     for label, delay, alpha in (("no overlap", 0, 0.5), ("no mixing", 1, 0.0)):
         other = references.streaming_diloco(start, batches, 4, fragments, delay, alpha, *args)[0]
-        print(f"stream vs {label}: {max_abs_diff(got, other):.3g}")
+        print(f"stream vs {label}: max abs diff {max_abs_diff(got, other):.3g}")
         assert max_abs_diff(got, other) > 10 * atol, label
 
 
@@ -195,11 +197,16 @@ def test_resume_with_an_exchange_in_flight_is_bitwise_uninterrupted(trained: Pat
 def test_every_rank_ends_on_the_same_weights(trained: Path) -> None:
     """The tail: at max_steps, max_epochs, and a callback's stop with an exchange in flight."""
     start = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
-    for name in ("stream", "p4", "full", "resumed", "stopped"):
+    for name in ("stream", "p4", "full", "resumed", "stopped", "int8"):
         assert max_abs_diff(weights(trained, name, 0), start) > 1e-3, name
         assert_same_weights(weights(trained, name, 1), weights(trained, name, 0), atol=0)
         assert info(trained, name)["inner_step"] == 0
     assert info(trained, "stopped")["global_step"] == 5
+    # int8 pseudo-gradients per fragment (their own compressor keys): fewer bytes, near the fp32 run
+    assert info(trained, "int8")["sync_bytes"] < 0.4 * info(trained, "stream")["sync_bytes"]
+    drift = max_abs_diff(weights(trained, "int8"), weights(trained, "stream"))
+    print(f"int8 vs fp32 pseudo-gradients: max abs diff {drift:.3g}")
+    assert drift < 1e-2
 
 
 SHARDED = {"model": "mlp", "optimizer": "adamw", "lr": 0.01, "batches_per_epoch": 5}
@@ -222,6 +229,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
         },  # fmt: skip
         {"name": "resumed", "epochs": 2, "resume": ckpt, "options": SHARDED_STREAM, **SHARDED},
         {"name": "plain", "epochs": 2, "options": {**H4, "replicas": 2}, **SHARDED},
+        {"name": "p1", "epochs": 2, "options": {**H4, "replicas": 2, **P1}, **SHARDED},
     ]
     run_script(
         [SHARDED_SCRIPT, "--out", str(out), "--devices", "2", "--runs", json.dumps(runs)],
@@ -241,6 +249,8 @@ def test_sharded_diloco_streams_resumes_bitwise_and_ends_synced(sharded: Path) -
     for rank in (0, 1):
         assert_same_weights(w("resumed", rank), w("full", rank), atol=0)
     assert_same_weights(w("full", 1), w("full", 0), atol=0)
+    for rank in (0, 1):  # the defaults spelled out: ShardedDiLoCo as it was
+        assert_same_weights(w("p1", rank), w("plain", rank), atol=0)
     drift = max_abs_diff(w("full", 0), w("plain", 0))
     print(f"sharded streaming vs DiLoCo: max abs diff {drift:.3g}")
     assert drift > 0 and math.isfinite(drift)
