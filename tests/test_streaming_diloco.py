@@ -5,7 +5,8 @@ script) and the options omitted; P=2, tau=1, alpha=0.5 against a single-process 
 per-step bytes at most 1/P of DiLoCo's (the largest fragment's share); a resume mid-period with an
 exchange in flight bitwise uninterrupted; every rank on the same weights at the end of fit (the
 tail, also with an exchange in flight at a callback's stop); and one 2-process launch of
-ShardedDiLoCo (2 replica groups) resuming bitwise."""
+ShardedDiLoCo (2 replica groups) resuming bitwise; and ElasticDiLoCo under torchrun, a worker
+SIGKILLed after a commit taken with an exchange in flight, ending on the fault-free run's weights."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 import references
 import torch
 from helpers import SCRIPTS, assert_same_weights, max_abs_diff, run_script
+from test_elastic import STEPS, torchrun_proc
 
 from lightning_dist import DiLoCo, ShardedDiLoCo
 from lightning_dist.algorithms.diloco_fragments import split_fragments
@@ -257,3 +259,23 @@ def test_sharded_diloco_streams_resumes_bitwise_and_ends_synced(sharded: Path) -
     got = json.loads((sharded / "full.rank0.json").read_text())
     plain = json.loads((sharded / "plain.rank0.json").read_text())
     assert got["sync_bytes"] > 0 and plain["sync_bytes"] > 0
+
+
+ELASTIC_STREAM = ["--diloco", "4", "--diloco-fragments", "2"]
+"""Commits every 3 steps: the one of step 3 is taken with fragment 1's exchange in flight."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_elastic_diloco_streams_and_a_killed_worker_resumes_bitwise(tmp_path: Path) -> None:
+    fault_free, killed = tmp_path / "fault_free", tmp_path / "killed"
+    proc = torchrun_proc(fault_free, *ELASTIC_STREAM, max_restarts=0, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    proc = torchrun_proc(killed, *ELASTIC_STREAM, "--kill-rank", "1", "--kill-step", "5", timeout=200)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for rank in (0, 1):
+        facts = json.loads((killed / f"rank{rank}.json").read_text())
+        assert facts["attempt"] == 1 and facts["global_step"] == STEPS and facts["resumed_from"] == 3
+        got, expected = torch.load(killed / f"rank{rank}.pt"), torch.load(fault_free / f"rank{rank}.pt")
+        assert_same_weights(got, expected, atol=0)
+    assert_same_weights(torch.load(fault_free / "rank1.pt"), torch.load(fault_free / "rank0.pt"), atol=0)
