@@ -67,6 +67,12 @@ def test_accepted_options_are_held_by_the_sync_part() -> None:
     assert not DiLoCo(inner_steps=8).diloco_sync.streaming
 
 
+def test_more_fragments_than_parameters_fail_at_setup() -> None:
+    sync = DiLoCo(inner_steps=4, fragments=4).diloco_sync
+    with pytest.raises(ValueError, match="fragments=4 is more than the 2 parameters"):
+        sync.start(list(torch.nn.Linear(2, 1).named_parameters()))
+
+
 def test_fragments_are_contiguous_and_within_one_parameter_of_an_equal_share() -> None:
     assert split_fragments([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
     assert split_fragments([10, 1, 1, 1], 2) == [[0], [1, 2, 3]]

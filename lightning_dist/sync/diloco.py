@@ -118,6 +118,8 @@ class DiLoCoSync:
         self.inner_step = self.syncs = 0
         self.sync_bytes = self.buffer_bytes = 0
         self.reset_stream(moved=False)
+        if self.fragments > 1:
+            self.plan()  # more fragments than parameters: the ValueError at setup, not at the first sync
 
     def reset_stream(self, moved: bool) -> None:
         """A new period: fragment 0 next, nothing in flight, every fragment moved (``moved``: the
