@@ -48,7 +48,7 @@ from lightning_dist.state import RankStates
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
-from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions
+from lightning_dist.strategies.options_training import STREAMING_OPTIONS, DiLoCoOptions, LaunchOptions
 from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "auto",
+        *,
         fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
@@ -120,7 +121,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        return option_names(DiLoCoOptions, LaunchOptions)
+        return [*option_names(DiLoCoOptions, LaunchOptions, without=STREAMING_OPTIONS), *STREAMING_OPTIONS]
 
     # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
     @override

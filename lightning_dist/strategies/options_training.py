@@ -20,7 +20,14 @@ from lightning_dist.strategies.options import (
     START_METHODS,
 )
 
-__all__ = ["DDPOptions", "DiLoCoOptions", "HorovodOptions", "LaunchOptions", "ShardedOptions"]
+__all__ = [
+    "STREAMING_OPTIONS",
+    "DDPOptions",
+    "DiLoCoOptions",
+    "HorovodOptions",
+    "LaunchOptions",
+    "ShardedOptions",
+]
 
 
 @dataclass
@@ -80,6 +87,10 @@ class DDPOptions:
         if self.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = self.bucket_cap_mb
         return kwargs
+
+
+STREAMING_OPTIONS = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
+"""``DiLoCoOptions``' Streaming DiLoCo fields: keyword-only in the constructors, after the others."""
 
 
 @dataclass
