@@ -67,6 +67,14 @@ def test_accepted_options_are_held_by_the_sync_part() -> None:
     assert not DiLoCo(inner_steps=8).diloco_sync.streaming
 
 
+def test_compose_passes_the_options_to_the_diloco_presets() -> None:
+    from lightning_dist.strategies.compose import compose
+
+    for layout, cls in (("replicated", DiLoCo), ("hybrid", ShardedDiLoCo)):
+        s = compose(layout=layout, sync="diloco", inner_steps=4, fragments=2, fragment_sync_delay=1)
+        assert isinstance(s, cls) and (s.fragments, s.fragment_sync_delay) == (2, 1)
+
+
 def test_more_fragments_than_parameters_fail_at_setup() -> None:
     sync = DiLoCo(inner_steps=4, fragments=4).diloco_sync
     with pytest.raises(ValueError, match="fragments=4 is more than the 2 parameters"):
