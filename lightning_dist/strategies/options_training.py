@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_dist.checks import _is_int, check_bool, check_choice, check_int, check_number, check_positive
+from lightning_dist.checks import check_bool, check_choice, check_int, check_number, check_positive
 from lightning_dist.collectives.ops import op_name
 from lightning_dist.strategies.options import (
     GRADIENT_REDUCE_OPS,
@@ -130,7 +130,8 @@ class DiLoCoOptions:
                 "syncs every inner_steps / fragments steps); accepted: a divisor of inner_steps"
             )
         every = self.inner_steps // self.fragments
-        if not (_is_int(self.fragment_sync_delay) and 0 <= self.fragment_sync_delay < every):
+        check_int("fragment_sync_delay", self.fragment_sync_delay, 0)
+        if self.fragment_sync_delay >= every:
             raise ValueError(
                 f"fragment_sync_delay={self.fragment_sync_delay!r} must be an integer in [0, {every - 1}]: "
                 f"below inner_steps / fragments = {every}, so a fragment's exchange lands before the next starts"
