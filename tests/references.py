@@ -110,3 +110,70 @@ def update_space_adasum(
             deltas.append({n: p.detach() - current[n] for n, p in m.named_parameters()})
         current = {n: current[n] + adasum_pair(deltas[0][n], deltas[1][n]).float() for n in current}
     return current
+
+
+def streaming_diloco(
+    start: Weights,
+    batches: list[list[tuple[Tensor, Tensor]]],
+    inner_steps: int,
+    fragments: list[list[str]],
+    delay: int,
+    alpha: float,
+    outer_lr: float,
+    outer_momentum: float,
+    lr: float,
+    weight_decay: float,
+) -> list[Weights]:
+    """Streaming DiLoCo written out on one process, the last-sync params and outer momentum in
+    float64: rank r runs torch's AdamW on ``batches[r]``; with ``every = inner_steps / len(fragments)``,
+    fragment k (its parameter names), in turn, takes the ranks' averaged delta (last-sync - params)
+    ``delay`` steps before its sync step and at it steps its last-sync params with Nesterov SGD (its
+    formula), then each rank's copy becomes ``alpha * its params now + (1 - alpha) * last-sync``. After
+    the last batch every fragment syncs at once (one outer step over all, no mixing): the tail.
+    Returns each rank's final weights."""
+    torch.set_num_threads(1)
+    ranks, steps = len(batches), len(batches[0])
+    models = [TinyCausalLM(WorkloadConfig.tiny(seed=7)) for _ in range(ranks)]
+    for m in models:
+        m.load_state_dict(start)
+    params = [dict(m.named_parameters()) for m in models]
+    anchor = {n: start[n].clone().double() for n in params[0]}
+    momentum: dict[str, Tensor] = {}
+    opts = [torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=weight_decay) for m in models]
+    every = inner_steps // len(fragments)
+
+    def averaged(names: list[str]) -> dict[str, Tensor]:
+        return {n: sum(anchor[n] - p[n].detach().double() for p in params) / ranks for n in names}
+
+    def outer_step(delta: dict[str, Tensor]) -> None:
+        for n, d in delta.items():
+            momentum[n] = outer_momentum * momentum[n] + d if n in momentum else d.clone()
+            anchor[n] = anchor[n] - outer_lr * (d + outer_momentum * momentum[n])
+
+    cadence, turn, sent = 0, 0, None
+    for step in range(steps):
+        for m, opt, shard in zip(models, opts, batches, strict=True):
+            x, y = shard[step]
+            loss = torch.nn.functional.cross_entropy(m(x).flatten(0, 1).float(), y.flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        cadence += 1
+        if step == steps - 1:  # the tail: every fragment, one outer step, every rank on it
+            outer_step(averaged([n for names in fragments for n in names]))
+            with torch.no_grad():
+                for p in params:
+                    for n in p:
+                        p[n].copy_(anchor[n])
+            break
+        names = fragments[turn]
+        if delay and cadence == every - delay:
+            sent = averaged(names)
+        if cadence == every:
+            outer_step(sent if delay else averaged(names))
+            with torch.no_grad():
+                for p in params:
+                    for n in names:
+                        p[n].copy_(alpha * p[n].detach().double() + (1 - alpha) * anchor[n])
+            cadence, turn, sent = 0, (turn + 1) % len(fragments), None
+    return [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]

@@ -56,25 +56,50 @@ class OuterSGD:
         local = self.local
         return list(self.params) if local is None else [local(p) for p in self.params]
 
-    def pseudo_gradients(self) -> list[Tensor]:
-        """last-sync params - current params (this rank's outer gradient), in the anchors' dtype."""
+    def pseudo_gradients(self, indices: Optional[Sequence[int]] = None) -> list[Tensor]:
+        """last-sync params - current params (this rank's outer gradient), in the anchors' dtype; of
+        the parameters at ``indices`` only (a Streaming DiLoCo fragment) when given."""
+        pairs = self._pick(list(zip(self.anchors, self.tensors(), strict=True)), indices)
         with torch.no_grad():
-            return [a - p.detach().to(a.dtype) for a, p in zip(self.anchors, self.tensors(), strict=True)]
+            return [a - p.detach().to(a.dtype) for a, p in pairs]
 
-    def step(self, averaged: Sequence[Tensor]) -> None:
-        """One outer SGD step with the ranks' averaged pseudo-gradients; the model takes the result."""
+    def step(self, averaged: Sequence[Tensor], indices: Optional[Sequence[int]] = None) -> None:
+        """One outer SGD step with the ranks' averaged pseudo-gradients (of the parameters at
+        ``indices`` when given: the others and their momentum stay); the model takes the result."""
         with torch.no_grad():
-            for a, g in zip(self.anchors, averaged, strict=True):
+            for a, g in zip(self._pick(self.anchors, indices), averaged, strict=True):
                 a.grad = g.to(a.dtype)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.copy_to_model()
+            self.copy_to_model(indices)
 
-    def copy_to_model(self) -> None:
-        """Set the model's parameters to the last-sync ones."""
+    def copy_to_model(self, indices: Optional[Sequence[int]] = None) -> None:
+        """Set the model's parameters (those at ``indices`` when given) to the last-sync ones."""
         with torch.no_grad():
-            for p, a in zip(self.tensors(), self.anchors, strict=True):
+            for p, a in self._pick(list(zip(self.tensors(), self.anchors, strict=True)), indices):
                 p.copy_(a)
+
+    def current(self, indices: Sequence[int]) -> list[Tensor]:
+        """Copies of the parameters at ``indices`` as they are, in the anchors' dtype."""
+        with torch.no_grad():
+            pairs = self._pick(list(zip(self.tensors(), self.anchors, strict=True)), indices)
+            return [p.detach().to(a.dtype, copy=True) for p, a in pairs]
+
+    def mix(self, local: Sequence[Tensor], alpha: float, indices: Sequence[int]) -> None:
+        """Streaming DiLoCo's merge: the parameters at ``indices`` become ``alpha * local + (1 - alpha)
+        * last-sync`` (``local``: their values before the outer step, in the anchors' dtype)."""
+        with torch.no_grad():
+            pairs = self._pick(list(zip(self.tensors(), self.anchors, strict=True)), indices)
+            for (p, a), x in zip(pairs, local, strict=True):
+                p.copy_(torch.lerp(a, x, alpha))
+
+    def numels(self) -> list[int]:
+        """Each parameter's (global) number of elements, in order: the same on every rank."""
+        return [p.numel() for p in self.params]
+
+    @staticmethod
+    def _pick(items: list[Any], indices: Optional[Sequence[int]]) -> list[Any]:
+        return items if indices is None else [items[i] for i in indices]
 
     def state_dict(self) -> dict[str, Any]:
         """CPU copies: ``{"anchors": {name: tensor}, "momentum": {name: tensor}}`` (momentum after a step)."""

@@ -48,14 +48,15 @@ from lightning_dist.state import RankStates
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
-from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions
+from lightning_dist.strategies.options_training import STREAMING_OPTIONS, DiLoCoOptions, LaunchOptions
 from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "lightning_dist.diloco"
 """Checkpoint entry: ``{"world_size": W, "ranks": [rank r's {"state_dict", "optimizer_states",
-"compressor"}], "outer": OuterSGD.state_dict(), "inner_step": int, "syncs": int, "inner_steps": H}``."""
+"compressor", and with Streaming DiLoCo "stream": DiLoCoSync.stream_state()}], "outer":
+OuterSGD.state_dict(), "inner_step": int, "syncs": int, "inner_steps": H}``."""
 DILOCO_STATES = RankStates(
     CHECKPOINT_KEY, "DiLoCo", "the checkpoint has no DiLoCo state (saved by another strategy)"
 )
@@ -74,6 +75,8 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
             ``Compressor``): how the pseudo-gradients cross the wire (``docs/wire-formats-lowbit.md``).
         sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync.
         accelerator ... start_method: as ``DDP``'s (``start_method="auto"``: fork in notebooks).
+        fragments, fragment_sync_delay, fragment_update_alpha: Streaming DiLoCo's P, tau and alpha
+            (``lightning_dist.sync.diloco``; docs/low-communication.md); 1, 0, 0: DiLoCo.
     """
 
     strategy_name = "ld_diloco"
@@ -94,13 +97,17 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "auto",
+        *,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
-        options_from(DiLoCoOptions, locals())  # checks them
+        streaming = options_from(DiLoCoOptions, locals()).streaming  # checks them
         self.compressor = build_diloco_compressor(compression)
         super().__init__(**options_from(LaunchOptions, locals()).as_kwargs())
-        self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
+        self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers, streaming)
         self._restored_per_rank = False
         self.training_state.register(
             "diloco",
@@ -114,7 +121,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        return option_names(DiLoCoOptions, LaunchOptions)
+        return [*option_names(DiLoCoOptions, LaunchOptions, without=STREAMING_OPTIONS), *STREAMING_OPTIONS]
 
     # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
     @override
@@ -142,13 +149,14 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
     # -- checkpoints: every rank's model and inner optimizer state, and the outer state --------------
     def _own_state(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's weights and inner optimizer state (from ``checkpoint``) and compressor state."""
-        return to_cpu(
-            {
-                "state_dict": checkpoint["state_dict"],
-                "optimizer_states": list(checkpoint["optimizer_states"]),
-                "compressor": self.compressor.state_dict(),
-            }
-        )
+        state = {
+            "state_dict": checkpoint["state_dict"],
+            "optimizer_states": list(checkpoint["optimizer_states"]),
+            "compressor": self.compressor.state_dict(),
+        }
+        if self.diloco_sync.streaming:  # an exchange in flight lands first, on every rank
+            state["stream"] = self.diloco_sync.stream_state(self.pseudo_gradient_comm())
+        return to_cpu(state)
 
     def _started(self) -> bool:
         return self.outer is not None
@@ -213,6 +221,8 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         self.syncs = int(saved["syncs"])
         if own is not None:
             self.inner_step = int(saved["inner_step"])
+            if self.diloco_sync.streaming:
+                self.diloco_sync.load_stream_state(own.get("stream"))
         else:  # the steps since the last sync are dropped: every rank restarts from the last-sync params
             outer.copy_to_model()
             self.inner_step = 0

@@ -44,6 +44,9 @@ class DiLoCoLoop(CollectiveOpsMixin):
     outer_momentum: PartField[float] = PartField("diloco_sync")
     nesterov: PartField[bool] = PartField("diloco_sync")
     sync_buffers: PartField[bool] = PartField("diloco_sync")
+    fragments: PartField[int] = PartField("diloco_sync")
+    fragment_sync_delay: PartField[int] = PartField("diloco_sync")
+    fragment_update_alpha: PartField[float] = PartField("diloco_sync")
     outer: PartField[Optional[OuterSGD]] = PartField("diloco_sync")
     inner_step: PartField[int] = PartField("diloco_sync")
     syncs: PartField[int] = PartField("diloco_sync")
@@ -51,9 +54,18 @@ class DiLoCoLoop(CollectiveOpsMixin):
     buffer_bytes: PartField[int] = PartField("diloco_sync")
 
     def _init_loop(
-        self, inner_steps: int, outer_lr: float, outer_momentum: float, nesterov: bool, sync_buffers: bool
+        self,
+        inner_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool,
+        sync_buffers: bool,
+        streaming: tuple[int, int, float] = (1, 0, 0.0),
     ) -> None:
-        self.diloco_sync = DiLoCoSync(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
+        """The sync part; ``streaming``: ``DiLoCoOptions.streaming`` (P, tau, alpha)."""
+        self.diloco_sync = DiLoCoSync(
+            inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers, *streaming
+        )
 
     def pseudo_gradient_comm(self) -> Communicator:
         """Over whom the pseudo-gradients are averaged: every rank (``DiLoCo``)."""
@@ -81,10 +93,12 @@ class DiLoCoLoop(CollectiveOpsMixin):
     def sync_tail(self) -> None:
         """Sync the inner steps since the last sync, if any: the end of ``fit`` (``diloco_tail``)."""
         if self.diloco_sync.tail_due():
+            self.diloco_sync.ending = True
             self.sync()
 
     def sync(self) -> None:
-        """Average the pseudo-gradients over ranks, take the outer step, average the buffers."""
+        """Average the pseudo-gradients over ranks, take the outer step, average the buffers (with
+        streaming: what of a fragment's sync is due, ``DiLoCoSync.sync``)."""
         assert self.outer is not None, f"{type(self).__name__}.sync: setup() has not run"
         comm = self.pseudo_gradient_comm()
         self.diloco_sync.sync(comm, self.compressor, self.lightning_module, self._transport())

@@ -76,6 +76,9 @@ FAULT_TOLERANT_ARGUMENTS = (
 """What ``FaultTolerantDiLoCo`` passes on to ``FaultTolerant`` (its gradient compression, if any, is not
 DiLoCo's: ``compression`` here is the pseudo-gradients')."""
 
+STREAMING = {"fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
+"""Streaming DiLoCo's options at their defaults: all ``FaultTolerantDiLoCo`` accepts of them."""
+
 
 class FaultTolerantDiLoCo(DiLoCoPeriods):
     """DiLoCo over live-recovering replica groups (module docstring).
@@ -102,6 +105,14 @@ class FaultTolerantDiLoCo(DiLoCoPeriods):
         reject_unknown_options(OWNER, {k: v for k, v in options.items() if k not in accepted}, accepted)
         diloco = {name: options.pop(name) for name in option_names(DiLoCoOptions) if name in options}
         self.diloco = DiLoCoOptions(inner_steps=inner_steps, **diloco)  # checks them
+        streamed = [f"{n}={diloco[n]!r}" for n in STREAMING if n in diloco and diloco[n] != STREAMING[n]]
+        if streamed:
+            raise ValueError(
+                f"{OWNER}: {', '.join(streamed)} is not supported: its periods are one quorum and one "
+                "all-or-nothing sync of the whole model, which staggered fragments and an exchange in flight "
+                "across quorums would break; accepted: fragments=1, fragment_sync_delay=0, "
+                "fragment_update_alpha=0.0 (Streaming DiLoCo runs on DiLoCo, ElasticDiLoCo and ShardedDiLoCo)"
+            )
         self.recovery = FaultTolerantDiLoCoOptions(rejoin_timeout_s=rejoin_timeout_s)
         self.compressor = build_diloco_compressor(self.diloco.compression)
         super().__init__(**options)

@@ -20,7 +20,14 @@ from lightning_dist.strategies.options import (
     START_METHODS,
 )
 
-__all__ = ["DDPOptions", "DiLoCoOptions", "HorovodOptions", "LaunchOptions", "ShardedOptions"]
+__all__ = [
+    "STREAMING_OPTIONS",
+    "DDPOptions",
+    "DiLoCoOptions",
+    "HorovodOptions",
+    "LaunchOptions",
+    "ShardedOptions",
+]
 
 
 @dataclass
@@ -82,6 +89,10 @@ class DDPOptions:
         return kwargs
 
 
+STREAMING_OPTIONS = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
+"""``DiLoCoOptions``' Streaming DiLoCo fields: keyword-only in the constructors, after the others."""
+
+
 @dataclass
 class DiLoCoOptions:
     """``DiLoCo``'s own options (its launch options are ``LaunchOptions``)."""
@@ -96,6 +107,16 @@ class DiLoCoOptions:
     """None, ``"none"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``, ``"sparseloco"`` or such a
     ``Compressor`` (checked where it is built)."""
     sync_buffers: bool = True
+    fragments: int = 1
+    """Streaming DiLoCo's P: the parameters cut into P contiguous fragments (balanced by numel), one
+    synced every ``inner_steps / fragments`` steps in turn; must divide ``inner_steps`` (and be at
+    most the number of parameters, checked at setup). 1: DiLoCo."""
+    fragment_sync_delay: int = 0
+    """Streaming DiLoCo's tau: inner steps a fragment's exchange overlaps (started tau steps before it
+    lands); in [0, inner_steps / fragments)."""
+    fragment_update_alpha: float = 0.0
+    """Streaming DiLoCo's alpha: a synced fragment becomes ``alpha * local + (1 - alpha) * global``;
+    in [0, 1]."""
 
     def __post_init__(self) -> None:
         check_int("inner_steps", self.inner_steps, 1)
@@ -103,6 +124,25 @@ class DiLoCoOptions:
         check_number("outer_momentum", self.outer_momentum, 0, 1, high_open=True)
         check_bool("nesterov", self.nesterov)
         check_bool("sync_buffers", self.sync_buffers)
+        check_int("fragments", self.fragments, 1, self.inner_steps)
+        if self.inner_steps % self.fragments:
+            raise ValueError(
+                f"fragments={self.fragments} must divide inner_steps={self.inner_steps} (each fragment "
+                "syncs every inner_steps / fragments steps); accepted: a divisor of inner_steps"
+            )
+        every = self.inner_steps // self.fragments
+        check_int("fragment_sync_delay", self.fragment_sync_delay, 0)
+        if self.fragment_sync_delay >= every:
+            raise ValueError(
+                f"fragment_sync_delay={self.fragment_sync_delay!r} must be an integer in [0, {every - 1}]: "
+                f"below inner_steps / fragments = {every}, so a fragment's exchange lands before the next starts"
+            )
+        check_number("fragment_update_alpha", self.fragment_update_alpha, 0, 1)
+
+    @property
+    def streaming(self) -> tuple[int, int, float]:
+        """``(fragments, fragment_sync_delay, fragment_update_alpha)``: ``DiLoCoSync``'s last arguments."""
+        return self.fragments, self.fragment_sync_delay, float(self.fragment_update_alpha)
 
 
 @dataclass

@@ -82,7 +82,9 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
     """DiLoCo across replica groups, each training its own FSDP2-sharded copy (module docstring).
 
     Args:
-        inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers: as ``DiLoCo``'s.
+        inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers: as ``DiLoCo``'s, and its
+            Streaming DiLoCo options ``fragments``, ``fragment_sync_delay``, ``fragment_update_alpha``
+            (fragments of the shards: a fragment's shard on each rank).
         compression: the pseudo-gradients on the wire: None, ``"none"``, ``"fp16"``, ``"bf16"``,
             ``"int8"``, ``"int4"`` or ``"sparseloco"`` (or such a ``Compressor``).
         replicas: replica groups (DiLoCo's workers); each shards the model over world_size / replicas
@@ -106,13 +108,16 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         sync_buffers: bool = True,
         replicas: Union[int, Literal["auto"]] = "auto",
         shard_compression: Optional[str] = None,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
         **sharded: Any,
     ) -> None:
         accepted = self._accepted_options()
         reject_unknown_options(
             type(self).__name__, {k: v for k, v in sharded.items() if k not in accepted}, accepted
         )
-        options_from(DiLoCoOptions, locals())  # checks them
+        streaming = options_from(DiLoCoOptions, locals()).streaming  # checks them
         if replicas != "auto" and (
             isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1
         ):
@@ -132,7 +137,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
             words=DROPPED,
         )
         self._auto_replicas = replicas == "auto"
-        self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
+        self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers, streaming)
         self._names: dict[int, str] = {}
         self._restored = False
 
@@ -163,9 +168,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         named = inner_parameters("ShardedDiLoCo", self.lightning_module, self.optimizers)
         self._names = {id(p): n for n, p in named}
         self._same_start(named)
-        self.outer = OuterSGD(named, self.outer_lr, self.outer_momentum, self.nesterov, local=local_shard)
-        self.inner_step = self.syncs = 0  # a checkpoint's counters are loaded after setup
-        self.sync_bytes = self.buffer_bytes = 0
+        self.diloco_sync.start(named, local=local_shard)  # a checkpoint's counters are loaded after setup
         self._restored = False
 
     def _same_start(self, named: list[tuple[str, Tensor]]) -> None:
@@ -202,12 +205,15 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         assert outer is not None
         with torch.no_grad():
             params = {n: t.detach().cpu().clone() for n, t in zip(outer.names, outer.tensors(), strict=True)}
-        return {
+        state = {
             "params": params,
             "optimizer": local_optimizer_state(self.optimizers[0], self._names),
             "outer": outer.state_dict(),
             "compressor": to_cpu(self.compressor.state_dict()),
         }
+        if self.diloco_sync.streaming:  # an exchange in flight lands first, on every rank
+            state["stream"] = self.diloco_sync.stream_state(self.replica_comm)
+        return state
 
     def _holds_rank_state(self) -> bool:
         return self.outer is not None
@@ -222,6 +228,8 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
                 t.copy_(own["params"][name])
         restore_local_optimizer_state(self.optimizers[0], self._names, own["optimizer"])
         self.compressor.load_state_dict(own["compressor"])
+        if self.diloco_sync.streaming:
+            self.diloco_sync.load_stream_state(own.get("stream"))
         self._restored = True
 
     @override
@@ -258,6 +266,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
                 local=local_shard,
             )  # fmt: skip
             self.inner_step = 0
+            self.diloco_sync.reset_stream(moved=False)
         if saved is not None and saved.get("inner_steps") != self.inner_steps:
             logger.info(
                 "ShardedDiLoCo: the checkpoint was saved with inner_steps=%s, this run has inner_steps=%d",

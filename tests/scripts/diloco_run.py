@@ -11,7 +11,10 @@ fitting, or with ``save_at_epoch`` at the end of that epoch inside ``fit``, with
 batches this rank trained on), ``drop_diloco_state`` (remove DiLoCo's entry from the checkpoint before
 resuming), ``validate``, ``checkpoint`` (a ``ModelCheckpoint(save_last=True, **checkpoint)`` writing to
 ``<out>/<name>/``), ``stop_at`` (a callback sets ``trainer.should_stop`` after that optimizer step),
-``record_tail`` (save what a sync of fewer than ``inner_steps`` steps starts from).
+``record_tail`` (save what a sync of fewer than ``inner_steps`` steps starts from), ``record_step_bytes``
+(the bytes this rank sent in each optimizer step, from the collectives counters, in the JSON);
+``strategy`` may also be "legacy": DiLoCo whose sync is the whole-model one of before Streaming
+DiLoCo, written out here (the reference of ``fragments=1``).
 ``--devices N``: ranks (default 2).
 Each rank writes ``<name>.rank<r>.pt`` (final weights), ``<name>.rank<r>.json`` (facts: steps, the
 strategy's sync counters, the collectives counters) and, when asked, ``<name>.rank<r>.batches.pt`` and
@@ -30,7 +33,9 @@ from rank_io import RecordBatches, save_fitted
 from run_options import fit_each_run, resume_path, trainer_length
 
 import lightning_dist
+from lightning_dist.algorithms.diloco_params import by_dtype, persistent_float_buffers
 from lightning_dist.strategies.diloco import CHECKPOINT_KEY
+from lightning_dist.sync.diloco import average_pseudo_gradients
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -70,6 +75,44 @@ class Recorded(lightning_dist.DiLoCo):
         super().sync()
 
 
+class Legacy(lightning_dist.DiLoCo):
+    """DiLoCo with the sync as it was before the streaming options: the whole model's pseudo-gradients
+    averaged, the outer step, the buffers averaged, the counters (the bitwise reference of P=1)."""
+
+    def sync(self) -> None:
+        outer = self.outer
+        assert outer is not None
+        comm = self.pseudo_gradient_comm()
+        before = comm.stats.bytes_sent
+        outer.step(average_pseudo_gradients(comm, self.compressor, outer.pseudo_gradients()))
+        middle = comm.stats.bytes_sent
+        if self.sync_buffers and self.lightning_module is not None:
+            buffers = persistent_float_buffers(self.lightning_module)
+            for indices in by_dtype(buffers).values():
+                self._transport().all_reduce([buffers[i] for i in indices], "avg")
+        self.sync_bytes += middle - before
+        self.buffer_bytes += comm.stats.bytes_sent - middle
+        self.inner_step = 0
+        self.syncs += 1
+        self.diloco_sync.ending = False
+
+
+class StepBytes(L.Callback):
+    """The bytes this rank sent in each optimizer step (the strategy's collectives counters)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self._last = 0
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._last = trainer.strategy.communicator.stats.bytes_sent  # type: ignore[attr-defined]
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        now = trainer.strategy.communicator.stats.bytes_sent  # type: ignore[attr-defined]
+        self.per_step.append(now - self._last)
+        self._last = now
+
+
 class SaveAtEpochEnd(L.Callback):
     """Writes ``path`` (and the strategy's ``checkpoint_entry()`` beside it, from rank 0) at the end of
     epoch ``epoch``, inside fit (on every rank: DiLoCo gathers every rank's state)."""
@@ -104,9 +147,11 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         config=WorkloadConfig.tiny(seed=7, batch_size=run.get("batch_size", 8), lr=run.get("lr", 3e-3)),
     )
     options = run.get("options", {})
-    strategy = lightning_dist.DDP(**options) if run.get("strategy") == "DDP" else Recorded(**options)
+    kinds = {"DDP": lightning_dist.DDP, "legacy": Legacy}
+    strategy = kinds.get(run.get("strategy", ""), Recorded)(**options)
     recorder = RecordBatches()
-    callbacks: list[L.Callback] = [recorder]
+    step_bytes = StepBytes()
+    callbacks: list[L.Callback] = [recorder, step_bytes]
     if "stop_at" in run:
         callbacks.append(StopAt(run["stop_at"]))
     if "save_at_epoch" in run:
@@ -144,6 +189,8 @@ def fit(run: dict[str, Any], out: str, devices: int) -> None:
         "inner_step": getattr(s, "inner_step", None),
         "micro_batches": len(recorder.batches),
     }
+    if run.get("record_step_bytes"):
+        info["step_bytes"] = step_bytes.per_step
     if run.get("validate", False):
         metrics = trainer.validate(model, verbose=False)[0]
         info["val_loss"] = float(metrics["val_loss"])

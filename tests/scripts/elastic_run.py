@@ -13,7 +13,8 @@ rank SIGKILLs itself after that optimizer step on the first attempt only (on eve
 ``ELASTIC_RUN_KILL_EVERY_ATTEMPT=1``); ``--fault raise`` raises a RuntimeError there instead, and
 ``--fault commit`` SIGKILLs rank 0 halfway through writing the commit of that step (leaving a
 half-written temporary file and a ``crashed_in_commit`` marker). ``--diloco H`` trains with
-``ElasticDiLoCo(inner_steps=H)`` instead (``--compression``: DiLoCo's). Rank 0 saves the final
+``ElasticDiLoCo(inner_steps=H)`` instead (``--compression``: DiLoCo's; ``--diloco-fragments P``:
+Streaming DiLoCo with P fragments, ``fragment_sync_delay=1``, ``fragment_update_alpha=0.5``). Rank 0 saves the final
 weights and facts (``rank0.pt``, ``rank0.json``); with ``--diloco`` every rank saves its own.
 """
 
@@ -140,6 +141,7 @@ def fit(
     scale_lr: bool = True,
     accelerator: str = "cpu",
     diloco: int = 0,
+    diloco_fragments: int = 1,
 ) -> tuple[L.Trainer, Logged, Union[Elastic, ElasticDiLoCo]]:
     """One worker's fit with ``Elastic`` (the launcher, torchrun or ``run_elastic``, starts it)."""
     torch.set_num_threads(1)
@@ -154,6 +156,8 @@ def fit(
         compression=compression,
         scale_lr=scale_lr,
     )
+    if diloco_fragments > 1:  # Streaming DiLoCo: overlapped by one step, mixed half-half
+        common.update(fragments=diloco_fragments, fragment_sync_delay=1, fragment_update_alpha=0.5)
     strategy: Union[Elastic, ElasticDiLoCo] = (
         ElasticDiLoCo(inner_steps=diloco, **common)
         if diloco
@@ -186,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-scale-lr", dest="scale_lr", action="store_false")
     p.add_argument("--accelerator", default="cpu", help="gpu: one CUDA device per worker, NCCL")
     p.add_argument("--diloco", type=int, default=0, help="H > 0: ElasticDiLoCo(inner_steps=H)")
+    p.add_argument(
+        "--diloco-fragments", type=int, default=1, help="P > 1: Streaming DiLoCo, tau=1, alpha=0.5"
+    )
     a = p.parse_args(argv)
     options = dict(vars(a))
     trainer, model, strategy = fit(options.pop("out"), **options)  # the flags are fit's keywords
