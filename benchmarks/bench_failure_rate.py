@@ -94,6 +94,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="the Lighthouse's heartbeat timeout")
     p.add_argument("--quick", action="store_true", help="smoke run: --duration 60 --every 20")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where the JSON goes")
+    p.add_argument("--keep", type=Path, default=None, help="keep the runs' files (logs, rows) in this new folder")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--snapshots", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -388,7 +389,7 @@ def main(argv: Sequence[str]) -> int:
             place = Nodes(stack.enter_context(netns.EmulatedCluster(args.nodes, rate_mbit=args.rate)))
         header.append(f"on {place.where}")
         print("\n".join(header), flush=True)
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_failure_rate_")))
+        tmp = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_failure_rate_")))
         faulty: dict[float, dict[str, Any]] = {}
         for every in args.every:
             print(f"run: a kill every {every:g} s", flush=True)
