@@ -17,7 +17,9 @@ it, which heals from a peer. At the window's end the driver names a stop step ju
 groups; every group ends its fit there. Then the fault-free run, the same for the same wall time,
 which also saves its weights at each faulty run's stop step.
 
-Figures, per schedule: step efficiency (steps first committed in the window / the fault-free run's);
+Figures, per schedule: step efficiency (steps first committed in the window / the fault-free run's;
+and against the run's own pace outside its failures, ``healthy_expected_steps``, which a change of
+the machine's load between the runs does not move);
 training efficiency (samples of those steps trained exactly once / the fault-free run's); the
 survivors' slowest step between a kill and the killed group's rejoin, over their median step
 (target <= 2x); recovery time per failure (kill to the restarted group's first step committed with
@@ -47,6 +49,7 @@ from typing import Any, Optional
 from failure_figures import (  # benchmarks/ is on sys.path when a benchmark runs
     distribution,
     failure_figures,
+    healthy_expected_steps,
     kill_schedule,
     redone_steps,
     samples_by_step,
@@ -79,22 +82,32 @@ def parse_rate(text: str) -> Optional[float]:
     try:
         return float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--rate={text!r}; accepted: 1gbit, 500mbit, 100 (Mbit/s), none") from None
+        raise argparse.ArgumentTypeError(
+            f"--rate={text!r}; accepted: 1gbit, 500mbit, 100 (Mbit/s), none"
+        ) from None
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=300.0, help="seconds of each timed window")
-    p.add_argument("--every", type=float, nargs="+", default=[30.0, 10.0], help="seconds between kills, per run")
+    p.add_argument(
+        "--every", type=float, nargs="+", default=[30.0, 10.0], help="seconds between kills, per run"
+    )
     p.add_argument("--seed", type=int, default=0, help="draws the killed groups")
-    p.add_argument("--nodes", type=int, default=3, help="emulated nodes (root); 1: all on this machine's loopback")
+    p.add_argument(
+        "--nodes", type=int, default=3, help="emulated nodes (root); 1: all on this machine's loopback"
+    )
     p.add_argument("--rate", type=parse_rate, default=1000.0, help="link cap per node and direction (1gbit)")
-    p.add_argument("--settle", type=float, default=5.0, help="seconds after the first full step before the window")
+    p.add_argument(
+        "--settle", type=float, default=5.0, help="seconds after the first full step before the window"
+    )
     p.add_argument("--timeout-s", type=float, default=10.0, help="FaultTolerant(timeout_s=)")
     p.add_argument("--heartbeat-ms", type=int, default=1000, help="the Lighthouse's heartbeat timeout")
     p.add_argument("--quick", action="store_true", help="smoke run: --duration 60 --every 20")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results", help="where the JSON goes")
-    p.add_argument("--keep", type=Path, default=None, help="keep the runs' files (logs, rows) in this new folder")
+    p.add_argument(
+        "--keep", type=Path, default=None, help="keep the runs' files (logs, rows) in this new folder"
+    )
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--snapshots", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -125,7 +138,10 @@ def worker(args: argparse.Namespace) -> None:
     L.seed_everything(1234, verbose=False)
     config = WorkloadConfig()
     strategy = FaultTolerant(
-        replica_groups=GROUPS, global_batch=GROUPS * config.batch_size, commit_every=0, timeout_s=args.timeout_s
+        replica_groups=GROUPS,
+        global_batch=GROUPS * config.batch_size,
+        commit_every=0,
+        timeout_s=args.timeout_s,
     )
     trainer = quiet_trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=10**7, limit_val_batches=0,
@@ -143,7 +159,9 @@ def _env(token: str) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "RUST_LOG": "warn",
         RUN_ENV: token,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+        ),
     }
 
 
@@ -209,7 +227,11 @@ def read_rows(out: Path) -> list[dict[str, Any]]:
 
 def newest_pid(out: Path, group: int) -> tuple[int, int]:
     """(attempt, PID) of ``group``'s newest worker (-1, -1: none yet)."""
-    found = [(int(p.name.split("_")[2]), int(p.read_text())) for p in out.glob(f"pid_{group}_*") if p.suffix != ".tmp"]
+    found = [
+        (int(p.name.split("_")[2]), int(p.read_text()))
+        for p in out.glob(f"pid_{group}_*")
+        if p.suffix != ".tmp"
+    ]
     return max(found, default=(-1, -1))
 
 
@@ -234,7 +256,12 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
 
 
 def run(
-    args: argparse.Namespace, place: Place, out: Path, every: Optional[float], stop_floor: int, snapshots: list[int]
+    args: argparse.Namespace,
+    place: Place,
+    out: Path,
+    every: Optional[float],
+    stop_floor: int,
+    snapshots: list[int],
 ) -> dict[str, Any]:
     """One run (``every``: seconds between kills; None: fault-free): its rows, kills, window and stop."""
     from lightning_dist.launch.fault_tolerant import group_command, stop_groups
@@ -248,7 +275,9 @@ def run(
     kills: list[dict[str, Any]] = []
     with place.lighthouse(args.heartbeat_ms) as lighthouse, contextlib.ExitStack() as logs:
         procs = [
-            place.group(g, command, lighthouse, _env(token), logs.enter_context(open(out / f"log_{g}.txt", "w")))
+            place.group(
+                g, command, lighthouse, _env(token), logs.enter_context(open(out / f"log_{g}.txt", "w"))
+            )
             for g in range(GROUPS)
         ]
         try:
@@ -274,7 +303,14 @@ def run(
                     proc.wait(timeout=max(1.0, deadline - time.time()))
         finally:
             stop_groups(procs)
-    return {"rows": read_rows(out), "kills": kills, "start": start, "end": end, "stop": stop, "schedule": schedule}
+    return {
+        "rows": read_rows(out),
+        "kills": kills,
+        "start": start,
+        "end": end,
+        "stop": stop,
+        "schedule": schedule,
+    }
 
 
 # -- figures ---------------------------------------------------------------------------------------
@@ -286,7 +322,12 @@ def weight_check(out: Path, ref: Path, stop: int) -> dict[str, Any]:
 
     snaps = sorted(ref.glob(f"snap_*_{stop}.pt"))
     if not snaps:
-        return {"compared": 0, "max_abs": None, "within": False, "note": f"no fault-free snapshot at step {stop}"}
+        return {
+            "compared": 0,
+            "max_abs": None,
+            "within": False,
+            "note": f"no fault-free snapshot at step {stop}",
+        }
     reference = torch.load(snaps[0], weights_only=True)
     worst, within, compared, notes = 0.0, True, 0, []
     for g in range(GROUPS):
@@ -304,7 +345,20 @@ def weight_check(out: Path, ref: Path, stop: int) -> dict[str, Any]:
             diff = (got.double() - ref_t.double()).abs()
             worst = max(worst, float(diff.max()))
             within &= bool((diff <= ATOL + RTOL * ref_t.double().abs()).all())
-    return {"compared": compared, "max_abs": worst, "within": within and compared > 0, "note": "; ".join(notes)}
+    return {
+        "compared": compared,
+        "max_abs": worst,
+        "within": within and compared > 0,
+        "note": "; ".join(notes),
+    }
+
+
+def unplanned_restarts(out: Path, kills: list[dict[str, Any]]) -> dict[int, int]:
+    """group -> its worker's restarts beyond the kills that hit it (a survivor that crashed, or a
+    restart that died again): the target is none."""
+    attempts = {g: len(list(out.glob(f"pid_{g}_*"))) - 1 for g in range(GROUPS)}
+    extra = {g: n - sum(1 for k in kills if k["hit"] and k["group"] == g) for g, n in attempts.items()}
+    return {g: n for g, n in extra.items() if n}
 
 
 def figures(run_: dict[str, Any], free: dict[str, Any], out: Path, ref: Path, batch: int) -> dict[str, Any]:
@@ -320,6 +374,7 @@ def figures(run_: dict[str, Any], free: dict[str, Any], out: Path, ref: Path, ba
         "steps": len(steps),
         "free_steps": len(free_steps),
         "step_efficiency": len(steps) / max(1, len(free_steps)),
+        "own_pace_steps": healthy_expected_steps(rows, run_["kills"], run_["start"], run_["end"]),
         "training_efficiency": trained_once(statuses, batch) / max(1, free_trained),
         "kills": len(run_["kills"]),
         "hits": sum(k["hit"] for k in run_["kills"]),
@@ -327,6 +382,7 @@ def figures(run_: dict[str, Any], free: dict[str, Any], out: Path, ref: Path, ba
         "slowest_over_median": fail["slowest_over_median"],
         "median_step_s": fail["median_step_s"],
         "redone": redone_steps(rows),
+        "unplanned_restarts": unplanned_restarts(out, run_["kills"]),
         "statuses": whole,
         "stop": run_["stop"],
         "weights": weight_check(out, ref, run_["stop"]),
@@ -335,7 +391,9 @@ def figures(run_: dict[str, Any], free: dict[str, Any], out: Path, ref: Path, ba
 
 def table(args: argparse.Namespace, free: dict[str, Any], results: dict[float, dict[str, Any]]) -> str:
     free_steps = len(steps_in_window(free["rows"], free["start"], free["end"]))
-    rows: list[tuple[str, str, str]] = [(f"fault-free: steps committed in {args.duration:.0f} s", str(free_steps), "")]
+    rows: list[tuple[str, str, str]] = [
+        (f"fault-free: steps committed in {args.duration:.0f} s", str(free_steps), "")
+    ]
     for every, f in results.items():
         target = TARGETS.get(every)
         lost = {k: v for k, v in f["statuses"].items() if k not in ("ok", "unrecorded")}
@@ -346,12 +404,17 @@ def table(args: argparse.Namespace, free: dict[str, Any], results: dict[float, d
             (f"{tag}: kills (a live worker killed)", f"{f['kills']} ({f['hits']})", ""),
             (f"{tag}: step efficiency (steps / fault-free steps)", f"{100 * f['step_efficiency']:.1f}% "
              f"({f['steps']}/{f['free_steps']})", "" if target is None else f">= {100 * target:.0f}%"),
+            (f"{tag}: step efficiency against the run's own pace outside failures (steps / expected)",
+             f"{100 * f['steps'] / f['own_pace_steps']:.1f}% ({f['steps']}/{f['own_pace_steps']:.0f})",
+             "" if target is None else f">= {100 * target:.0f}%"),
             (f"{tag}: training efficiency (samples trained once / fault-free)",
              f"{100 * f['training_efficiency']:.1f}%", ""),
             (f"{tag}: survivors' slowest step during a failure / their median (median (range), n)",
              distribution(f["slowest_over_median"]), "<= 2x"),
             (f"{tag}: recovery time per failure, s (median (range), n)", distribution(f["recovery_s"]), ""),
             (f"{tag}: committed steps redone", str(f["redone"]), "0"),
+            (f"{tag}: restarts beyond the kills (group: count; a survivor crashed or a restart died)",
+             str(f["unplanned_restarts"] or "none"), "none"),
             (f"{tag}: steps 0..{f['stop'] - 1} trained the fault-free samples once",
              "yes" if not lost else f"no: {lost}", "yes"),
             (f"{tag}: final weights vs fault-free at step {f['stop']}, max |diff| ({w['compared']} groups)",
@@ -389,7 +452,9 @@ def main(argv: Sequence[str]) -> int:
             place = Nodes(stack.enter_context(netns.EmulatedCluster(args.nodes, rate_mbit=args.rate)))
         header.append(f"on {place.where}")
         print("\n".join(header), flush=True)
-        tmp = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_failure_rate_")))
+        tmp = args.keep or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_failure_rate_"))
+        )
         faulty: dict[float, dict[str, Any]] = {}
         for every in args.every:
             print(f"run: a kill every {every:g} s", flush=True)
@@ -399,11 +464,16 @@ def main(argv: Sequence[str]) -> int:
         free = run(args, place, tmp / "free", None, max(stops), stops)
         results = {e: figures(r, free, tmp / f"every{e:g}", tmp / "free", batch) for e, r in faulty.items()}
     text = table(args, free, results)
-    header.append(f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; took {time.time() - STARTED:.0f} s")
+    header.append(
+        f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; took {time.time() - STARTED:.0f} s"
+    )
     print(header[-1] + "\n\n" + text)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("failure_rate_quick.json" if args.quick else "failure_rate.json")
-    kept = {e: {**f, "kill_log": faulty[e]["kills"], "schedule": faulty[e]["schedule"]} for e, f in results.items()}
+    kept = {
+        e: {**f, "kill_log": faulty[e]["kills"], "schedule": faulty[e]["schedule"]}
+        for e, f in results.items()
+    }
     path.write_text(json.dumps({"header": header, "results": {f"{e:g}": v for e, v in kept.items()},
                                 "table": text}, indent=1, default=str))  # fmt: skip
     print(f"wrote {path}")

@@ -78,7 +78,9 @@ def step_status(rows: Sequence[Row], step: int, reference: Sequence[int]) -> str
     return "unrecorded" if len(groups) < max(r["participants"] for r in mine) else "lost"
 
 
-def step_statuses(rows: Sequence[Row], steps: Iterable[int], reference: dict[int, list[int]]) -> dict[str, int]:
+def step_statuses(
+    rows: Sequence[Row], steps: Iterable[int], reference: dict[int, list[int]]
+) -> dict[str, int]:
     """How many of ``steps`` have each ``step_status``."""
     by_step: dict[int, list[Row]] = {}
     for row in rows:
@@ -147,6 +149,30 @@ def failure_figures(
             if during and medians[g] > 0:
                 ratios.append(max(during) / medians[g])
     return {"recovery_s": recoveries, "slowest_over_median": ratios, "median_step_s": medians}
+
+
+def healthy_expected_steps(
+    rows: Sequence[Row], kills: Sequence[dict[str, Any]], start: float, end: float
+) -> float:
+    """The steps the window would have committed at the run's own fault-free pace: the rate of
+    steps first committed outside every failure (from a kill that hit to the killed group's rejoin,
+    or the window's end) times the window. A reference taken under the run's own load, where a
+    separate fault-free run meets another load on a shared machine."""
+    intervals = []
+    for kill in kills:
+        if kill["hit"]:
+            back = back_at(rows, kill["group"], kill["t"])
+            intervals.append((max(start, kill["t"]), min(end, end if back is None else back)))
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        elif b > a:
+            merged.append((a, b))
+    healthy_s = (end - start) - sum(b - a for a, b in merged)
+    times = [t for t in commit_times(rows).values() if start <= t < end]
+    healthy = [t for t in times if not any(a <= t < b for a, b in merged)]
+    return math.nan if healthy_s <= 0 else len(healthy) / healthy_s * (end - start)
 
 
 def distribution(values: Sequence[float]) -> str:

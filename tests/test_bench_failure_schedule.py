@@ -81,4 +81,6 @@ def test_window_redone_and_failure_figures() -> None:
     assert figures["slowest_over_median"] == [pytest.approx(2.0)]
     never = ff.failure_figures(rows[:10], [{"t": 3.5, "group": 1, "hit": True}], 2, 0.0, 10.0)
     assert never["recovery_s"] == [math.inf]
+    # failing from 3.5 to 6 (group 1 back): outside it, 8 steps first committed in 7.5 s of the window
+    assert ff.healthy_expected_steps(rows, kills, 0.0, 10.0) == pytest.approx(8 / 7.5 * 10)
     assert ff.distribution([3.0, 1.0, 2.0]) == "2.00 (1.00-3.00), n=3"
