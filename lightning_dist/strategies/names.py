@@ -18,7 +18,12 @@ from typing import Any, Optional
 
 from lightning_dist.compression import COMPRESSORS
 from lightning_dist.import_hook import when_imported
-from lightning_dist.strategies.options import DILOCO_COMPRESSIONS, HOROVOD_COMPRESSIONS, SHARDED_COMPRESSIONS
+from lightning_dist.strategies.options import (
+    DILOCO_COMPRESSIONS,
+    DILOCO_LOWBIT_COMPRESSIONS,
+    HOROVOD_COMPRESSIONS,
+    SHARDED_COMPRESSIONS,
+)
 from lightning_dist.strategies.registry import LazyStrategy, register
 
 __all__ = ["NAMES", "Name", "register_class", "register_names", "register_on_import"]
@@ -104,6 +109,9 @@ def _names() -> list[Name]:
     for wire in DILOCO_COMPRESSIONS[1:]:
         description = f"DiLoCo with {wire} pseudo-gradients on the wire"
         names.append(Name(f"ld_diloco_{wire}", DILOCO, description, f"diloco_{wire}", {"compression": wire}))
+    for wire in DILOCO_LOWBIT_COMPRESSIONS:  # newer than the bare names: no deprecated alias
+        description = f"DiLoCo with {wire} pseudo-gradients on the wire"
+        names.append(Name(f"ld_diloco_{wire}", DILOCO, description, init_params={"compression": wire}))
     names += [
         Name(
             "ld_elastic",
@@ -158,7 +166,7 @@ def _names() -> list[Name]:
             "DiLoCo over FSDP2 shards: replica groups exchange their shards' pseudo-gradients",
         )
     )
-    for wire in DILOCO_COMPRESSIONS[1:]:
+    for wire in DILOCO_COMPRESSIONS[1:] + DILOCO_LOWBIT_COMPRESSIONS:
         description = f"DiLoCo over FSDP2 shards with {wire} pseudo-gradients on the wire"
         names.append(
             Name(f"ld_sharded_diloco_{wire}", SHARDED_DILOCO, description, init_params={"compression": wire})
