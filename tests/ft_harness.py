@@ -75,7 +75,7 @@ def launch(
     """A Lighthouse and ``groups`` torchruns of ``nproc_per_group`` processes (3 restarts each;
     ``warm``: under their standbys) of the test script, writing to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
+    lighthouse = Lighthouse("127.0.0.1:0")  # the launcher's heartbeat timeout (HEARTBEAT_TIMEOUT_MS)
     log = open(out / "log.txt", "w")  # noqa: SIM115
     procs = start_groups(
         [str(SCRIPT)],
