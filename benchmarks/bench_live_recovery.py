@@ -17,7 +17,9 @@ kill      ft again, group 1 SIGKILLs itself at the start of step ``--kill-step``
           ``warm,cold``: both, back to back). Steps
           redone: committed steps that were committed again (target 0); the step in flight at the
           kill is not committed and runs again (reported apart). The healthy group's slowest step
-          from the kill until group 1 is back, over its median step before the kill. Rejoin: from
+          from the kill until group 1 is back, over its median step before the kill; detection: from
+          the kill to the healthy group's next committed step (target: under a second beyond one
+          step). Rejoin: from
           the kill to the first step committed by both groups again (target < 5 s), and where its
           seconds went (timestamps the restarted worker takes at each stage).
 
@@ -321,7 +323,9 @@ def kill_figures(args: argparse.Namespace, kill: Path) -> dict[str, Any]:
     before = [b["t"] - a["t"] for a, b in pairs if args.warmup <= a["step"] and b["t"] < killed_at]
     until = math.inf if math.isnan(back) else back  # not back before the end: the rest of the run
     during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < until] or [float("nan")]
+    after = [r["t"] for r in survivor if r["t"] > killed_at]
     return {
+        "detect": min(after) - killed_at if after else float("nan"),
         "redone": len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before),
         "in_flight": _result(kill, 0, 0)["uncommitted"],
         "slowest": max(during),
@@ -383,6 +387,8 @@ def main(argv: list[str]) -> int:
         rows += [
             (f"{mode} restart: committed steps redone after the kill at step {args.kill_step}", str(k["redone"]), "0"),
             (f"{mode} restart: steps in flight at the kill, run again (not committed)", str(k["in_flight"]), ""),
+            (f"{mode} restart: kill -> healthy group's next committed step (its median step before)",
+             f"{k['detect']:.2f} s ({k['median_before']:.2f} s)", "< 1 s + a step"),
             (f"{mode} restart: healthy group's slowest step during the failure / its median step before",
              f"{k['slowest'] / k['median_before']:.1f}x ({k['slowest']:.2f} s)", ""),
         ]  # fmt: skip
