@@ -177,7 +177,7 @@ class OneBox:
     def lighthouse(self) -> Iterator[str]:
         from lightning_dist.launch.fault_tolerant import Lighthouse
 
-        with Lighthouse(heartbeat_timeout_ms=1000) as lighthouse:
+        with Lighthouse() as lighthouse:  # the launcher's heartbeat timeout (HEARTBEAT_TIMEOUT_MS)
             yield lighthouse.address
 
     def groups(self, script: list[str], lighthouse: str, warm: bool) -> list[subprocess.Popen[Any]]:
@@ -209,11 +209,13 @@ class TwoNodes(OneBox):
 
     @contextlib.contextmanager
     def lighthouse(self) -> Iterator[str]:
+        from lightning_dist.collectives.fault_tolerant_timeouts import HEARTBEAT_TIMEOUT_MS
+
         node = self.cluster.nodes[0]
         bind = f"{node.address}:{LIGHTHOUSE_PORT}"
         proc = self.cluster.popen(
             0, [str(Path(sys.executable).with_name("torchft_lighthouse")), "--bind", bind, "--min_replicas", "1",
-                "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
+                "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
