@@ -328,6 +328,7 @@ def kill_figures(args: argparse.Namespace, kill: Path) -> dict[str, Any]:
     after = [r["t"] for r in survivor if r["t"] > killed_at]
     return {
         "detect": min(after) - killed_at if after else float("nan"),
+        "alone": statistics.median(during[1:]) if len(during) > 1 else float("nan"),
         "redone": len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before),
         "in_flight": _result(kill, 0, 0)["uncommitted"],
         "slowest": max(during),
@@ -389,8 +390,8 @@ def main(argv: list[str]) -> int:
         rows += [
             (f"{mode} restart: committed steps redone after the kill at step {args.kill_step}", str(k["redone"]), "0"),
             (f"{mode} restart: steps in flight at the kill, run again (not committed)", str(k["in_flight"]), ""),
-            (f"{mode} restart: kill -> healthy group's next committed step (its median step before)",
-             f"{k['detect']:.2f} s ({k['median_before']:.2f} s)", "< 1 s + a step"),
+            (f"{mode} restart: kill -> healthy group's next committed step (its median step alone after it)",
+             f"{k['detect']:.2f} s ({k['alone']:.2f} s)", "< 1 s + a step"),
             (f"{mode} restart: healthy group's slowest step during the failure / its median step before",
              f"{k['slowest'] / k['median_before']:.1f}x ({k['slowest']:.2f} s)", ""),
         ]  # fmt: skip
