@@ -63,8 +63,12 @@ def test_the_timeouts_line_is_printed_once_per_group_at_start(
         _fit_alone(tmp_path, lighthouse.address, peer_timeout_s=7)
     lines = [r for r in caplog.records if "timeouts from peer_timeout_s" in r.getMessage()]
     assert len(lines) == 1 and lines[0].name == "lightning_dist.fault_tolerant"
-    assert lines[0].getMessage().startswith(
-        "FaultTolerant: timeouts from peer_timeout_s=7: collectives 7 s, step 7 s, quorum 7 s, start-up 7 s"
+    assert (
+        lines[0]
+        .getMessage()
+        .startswith(
+            "FaultTolerant: timeouts from peer_timeout_s=7: collectives 7 s, step 7 s, quorum 7 s, start-up 7 s"
+        )
     )
 
 
@@ -144,14 +148,20 @@ def test_only_the_first_survivor_speaks_and_a_failure_without_a_loss_says_so() -
         events.quorum(ids, me, 3, clock())
         events.step_failed(3, RuntimeError("Timed out waiting 10000ms for recv operation"))
     said = {me: events.quorum(ids[1:], me, 3, clock()) for me, events in speakers.items()}
-    assert said["1:b"][0] == "FaultTolerant: group 0 lost at step 3 (no answer within 10 s)" and said["2:c"] == []
+    assert (
+        said["1:b"][0] == "FaultTolerant: group 0 lost at step 3 (no answer within 10 s)"
+        and said["2:c"] == []
+    )
     assert mute.quorum(ids[1:], "1:b", 3, clock()) == []
     events = speakers["1:b"]
     events.step_failed(5, ValueError("bad state"))
     assert events.quorum(ids[1:], "1:b", 5, clock()) == [
         "FaultTolerant: step 5 not committed (error: bad state); the quorum runs it again"
     ]
-    assert events.quorum(["1:b"], "1:b", 6, clock())[0] == "FaultTolerant: group 2 lost at step 6 (heartbeats stopped)"
+    assert (
+        events.quorum(["1:b"], "1:b", 6, clock())[0]
+        == "FaultTolerant: group 2 lost at step 6 (heartbeats stopped)"
+    )
 
 
 def test_sizes_read_as_a_person_writes_them() -> None:

@@ -508,7 +508,11 @@ class FaultTolerantTransport:
         self._group_pg: Any = None
         if self.group_size > 1:
             self.group, self._group_pg = replica_group(
-                self.group_rank, self.group_size, device_type, group_timeout or timeout * 2 + quorum_timeout, host
+                self.group_rank,
+                self.group_size,
+                device_type,
+                group_timeout or timeout * 2 + quorum_timeout,
+                host,
             )
         store_addr, store_port = self._store_address(host)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else _bound_gloo_group(timeout, host)

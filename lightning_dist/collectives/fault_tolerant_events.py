@@ -110,10 +110,15 @@ class RecoveryEvents:
         if before != members:
             since = failure[2] if failure is not None else started
             took = self.clock() - since
-            lines.append((logging.INFO, f"FaultTolerant: quorum of {len(members)} at step {step} in {took:.2f} s"))
+            lines.append(
+                (logging.INFO, f"FaultTolerant: quorum of {len(members)} at step {step} in {took:.2f} s")
+            )
         elif failure is not None:
             lines.append(
-                (logging.WARNING, f"FaultTolerant: step {failure[0]} not committed ({failure[1]}); the quorum runs it again")
+                (
+                    logging.WARNING,
+                    f"FaultTolerant: step {failure[0]} not committed ({failure[1]}); the quorum runs it again",
+                )
             )
         for level, line in lines:
             self.log.log(level, line)

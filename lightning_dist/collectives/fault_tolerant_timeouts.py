@@ -73,7 +73,9 @@ def derive_timeouts(
     collective = peer_timeout_s if timeout_s is None else timeout_s
     quorum = peer_timeout_s if quorum_timeout_s is None else quorum_timeout_s
     overridden = tuple(
-        name for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s)) if value is not None
+        name
+        for name, value in (("timeout_s", timeout_s), ("quorum_timeout_s", quorum_timeout_s))
+        if value is not None
     )
     return FaultTolerantTimeouts(
         peer_s=peer_timeout_s,
