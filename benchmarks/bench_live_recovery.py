@@ -17,7 +17,9 @@ kill      ft again, group 1 SIGKILLs itself at the start of step ``--kill-step``
           ``warm,cold``: both, back to back). Steps
           redone: committed steps that were committed again (target 0); the step in flight at the
           kill is not committed and runs again (reported apart). The healthy group's slowest step
-          from the kill until group 1 is back, over its median step before the kill. Rejoin: from
+          from the kill until group 1 is back, over its median step before the kill; detection: from
+          the kill to the healthy group's next committed step (target: under a second beyond one
+          step). Rejoin: from
           the kill to the first step committed by both groups again (target < 5 s), and where its
           seconds went (timestamps the restarted worker takes at each stage).
 
@@ -175,7 +177,7 @@ class OneBox:
     def lighthouse(self) -> Iterator[str]:
         from lightning_dist.launch.fault_tolerant import Lighthouse
 
-        with Lighthouse(heartbeat_timeout_ms=1000) as lighthouse:
+        with Lighthouse() as lighthouse:  # the launcher's heartbeat timeout (HEARTBEAT_TIMEOUT_MS)
             yield lighthouse.address
 
     def groups(self, script: list[str], lighthouse: str, warm: bool) -> list[subprocess.Popen[Any]]:
@@ -207,11 +209,13 @@ class TwoNodes(OneBox):
 
     @contextlib.contextmanager
     def lighthouse(self) -> Iterator[str]:
+        from lightning_dist.collectives.fault_tolerant_timeouts import HEARTBEAT_TIMEOUT_MS
+
         node = self.cluster.nodes[0]
         bind = f"{node.address}:{LIGHTHOUSE_PORT}"
         proc = self.cluster.popen(
             0, [str(Path(sys.executable).with_name("torchft_lighthouse")), "--bind", bind, "--min_replicas", "1",
-                "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", "1000"],
+                "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)],
             env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
@@ -321,7 +325,10 @@ def kill_figures(args: argparse.Namespace, kill: Path) -> dict[str, Any]:
     before = [b["t"] - a["t"] for a, b in pairs if args.warmup <= a["step"] and b["t"] < killed_at]
     until = math.inf if math.isnan(back) else back  # not back before the end: the rest of the run
     during = [b["t"] - a["t"] for a, b in pairs if b["t"] > killed_at and a["t"] < until] or [float("nan")]
+    after = [r["t"] for r in survivor if r["t"] > killed_at]
     return {
+        "detect": min(after) - killed_at if after else float("nan"),
+        "alone": statistics.median(during[1:]) if len(during) > 1 else float("nan"),
         "redone": len(steps) - len(set(steps)) + sum(1 for r in restarted if r["step"] <= last_before),
         "in_flight": _result(kill, 0, 0)["uncommitted"],
         "slowest": max(during),
@@ -383,6 +390,8 @@ def main(argv: list[str]) -> int:
         rows += [
             (f"{mode} restart: committed steps redone after the kill at step {args.kill_step}", str(k["redone"]), "0"),
             (f"{mode} restart: steps in flight at the kill, run again (not committed)", str(k["in_flight"]), ""),
+            (f"{mode} restart: kill -> healthy group's next committed step (its median step alone after it)",
+             f"{k['detect']:.2f} s ({k['alone']:.2f} s)", "< 1 s + a step"),
             (f"{mode} restart: healthy group's slowest step during the failure / its median step before",
              f"{k['slowest'] / k['median_before']:.1f}x ({k['slowest']:.2f} s)", ""),
         ]  # fmt: skip

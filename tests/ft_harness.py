@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,7 +76,7 @@ def launch(
     """A Lighthouse and ``groups`` torchruns of ``nproc_per_group`` processes (3 restarts each;
     ``warm``: under their standbys) of the test script, writing to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    lighthouse = Lighthouse("127.0.0.1:0", heartbeat_timeout_ms=1000)
+    lighthouse = Lighthouse("127.0.0.1:0")  # the launcher's heartbeat timeout (HEARTBEAT_TIMEOUT_MS)
     log = open(out / "log.txt", "w")  # noqa: SIM115
     procs = start_groups(
         [str(SCRIPT)],
@@ -183,8 +184,38 @@ def check_hooks(out: Path, groups: int = 2, ranks: int = 1, exact: bool = False)
                 )
 
 
-NOISE = ("[INFO] [torchft::", "flight recorder", '"GET /checkpoint/')
-"""What torchft writes by default and the pack turns off unless asked (``fault_tolerant_logs``)."""
+NOISE = ("[INFO] [torchft::", "flight recorder", '"GET /checkpoint/', "got exception")
+"""What torchft writes by default and the pack turns off unless asked (``fault_tolerant_logs``):
+its servers' INFO lines, the flight recorder warning, the checkpoint requests, and the traceback of
+each error its Manager records (the pack's one line per failure says it: ``fault_tolerant_events``)."""
+
+EVENT = re.compile(
+    r"FaultTolerant: (group \S+ lost at step \d+ \((process exit|no answer within [\d.]+ s|heartbeats stopped|error: .*)\)"
+    r"|quorum of \d+ at step \d+ in \d+\.\d\d s"
+    r"|group \S+ healed from group \S+ at step \d+, [\d.]+ [kMG]?B in \d+\.\d\d s"
+    r"|step \d+ not committed \(.*\); the quorum runs it again)$"
+)
+"""The pack's event lines (``fault_tolerant_events``), after the log record's time."""
+
+
+def events(out: Path) -> list[str]:
+    """The run's event lines (``EVENT``), in order, without their timestamps; ``AssertionError`` for
+    a line of the pack's logger of another shape."""
+    found = []
+    for line in (out / "log.txt").read_text().splitlines():
+        for what in ("lost at step", "quorum of", "healed from", "not committed"):
+            if "FaultTolerant: " in line and what in line:
+                text = line[line.index("FaultTolerant: ") :]
+                assert EVENT.match(text), f"an event line of another shape: {line!r}"
+                found.append(text)
+                break
+    return found
+
+
+def kill_to_next_step(out: Path, group: int = 0) -> float:
+    """Seconds from the kill of the run in ``out`` (``killed_*``) to ``group``'s next committed step."""
+    killed = min(float(p.read_text()) for p in out.glob("killed_*"))
+    return min(r["t"] for r in rows(out, group) if r["t"] > killed) - killed
 
 
 def noisy_lines(out: Path) -> list[str]:

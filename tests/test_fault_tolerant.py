@@ -645,6 +645,30 @@ def test_hooks_fire_with_their_steps_the_logs_are_quiet_and_a_resume_says_so(run
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(500)  # at least twice the runs fixture's 240 s budget
+def test_a_kill_and_a_stop_each_give_one_line_per_event(runs: dict) -> None:
+    """The killed run's survivor says once that group 1 was lost at step 4 because its process
+    exited (the closed connections, not a timeout) and once that the quorum of 1 formed at step 4;
+    each restart that healed says from whom, how much and how long. The stopped run says group 1 was
+    lost because it did not answer within timeout_s=10 (a SIGSTOPped peer is found by the timeout),
+    or, stopped between steps, because its heartbeats stopped. Every group prints its timeouts once
+    per process start, and no event line has another shape (``ft.EVENT``)."""
+    kill = ft.events(runs["kill"])
+    assert kill.count("FaultTolerant: group 1 lost at step 4 (process exit)") == 1, kill
+    assert len([e for e in kill if e.startswith("FaultTolerant: quorum of 1 at step 4 in ")]) == 1, kill
+    assert [e for e in kill if e.startswith("FaultTolerant: group 1 healed from group 0 at step ")], kill
+    print(f"kill -> group 0's next committed step: {ft.kill_to_next_step(runs['kill']):.2f} s")
+    stop = ft.events(runs["stop"])
+    lost = [e for e in stop if e.startswith("FaultTolerant: group 1 lost at step ")]
+    assert lost and lost[0].endswith(("(no answer within 10 s)", "(heartbeats stopped)")), stop
+    three = ft.events(runs["three"])
+    assert three.count("FaultTolerant: group 1 lost at step 4 (process exit)") == 1, three
+    for name, starts in (("reference", 2), ("stop", 2), ("three", 4)):  # group 1 of the three starts twice
+        said = (runs[name] / "log.txt").read_text().count("FaultTolerant: timeouts from peer_timeout_s=")
+        assert said == starts, (name, said)
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(0)
 @pytest.mark.skipif(
     not os.environ.get("LD_SOAK_MINUTES"),

@@ -25,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any, Optional, cast
@@ -36,7 +37,9 @@ from typing_extensions import override
 
 from lightning_dist.collectives.backend import Backend
 from lightning_dist.collectives.communicator import Communicator
+from lightning_dist.collectives.fault_tolerant_events import RecoveryEvents, group_of, show_events
 from lightning_dist.collectives.fault_tolerant_quorum import QuorumBackend
+from lightning_dist.collectives.fault_tolerant_timeouts import HEARTBEAT_INTERVAL_S
 from lightning_dist.collectives.futures import completed_future
 from lightning_dist.collectives.torch_backend import TorchBackend
 
@@ -497,6 +500,7 @@ class FaultTolerantTransport:
         timeout: timedelta,
         quorum_timeout: timedelta,
         host: str,
+        group_timeout: Optional[timedelta] = None,
         quorum_retries: int = 0,
         group_rank: int = 0,
         group_size: int = 1,
@@ -520,7 +524,11 @@ class FaultTolerantTransport:
         self._group_pg: Any = None
         if self.group_size > 1:
             self.group, self._group_pg = replica_group(
-                self.group_rank, self.group_size, device_type, timeout * 2 + quorum_timeout, host
+                self.group_rank,
+                self.group_size,
+                device_type,
+                group_timeout or timeout * 2 + quorum_timeout,
+                host,
             )
         store_addr, store_port = self._store_address(host)
         pg = ProcessGroupNCCL(timeout=timeout) if device_type == "cuda" else _bound_gloo_group(timeout, host)
@@ -543,8 +551,15 @@ class FaultTolerantTransport:
                 hostname=host,
                 checkpoint_transport=self.checkpoint_transport,
                 quorum_retries=quorum_retries,
+                heartbeat_interval=timedelta(seconds=HEARTBEAT_INTERVAL_S),
             )
         self._checked_quorum: Optional[int] = None
+        self.replica_id: str = self.manager._store.get(_TORCHFT_GROUP_KEYS[1]).decode()
+        """torchft's id of this group's current process(es): ``<replica_id>:<uuid>``."""
+        show_events()
+        self.events = RecoveryEvents(timeout.total_seconds(), speaks=group_rank == 0)
+        """One log line per failure and recovery (``fault_tolerant_events``)."""
+        self._received_bytes: Optional[int] = None
         self._quorums = _QuorumRecorder(self.manager._client)
         self.manager._client = self._quorums
         self.communicator = Communicator(ManagedBackend(self.manager))
@@ -573,12 +588,31 @@ class FaultTolerantTransport:
 
     def _load_checked(self, received: dict[str, Any]) -> None:
         # torchft sets its step from the peer's torchft entry before it applies the user state
-        self._load_state_dict(checked_state(received, self.manager.current_step(), self._model_state()))
+        state = checked_state(received, self.manager.current_step(), self._model_state())
+        self._received_bytes = sum(t.nbytes for t in _tensor_leaves(state).values())
+        self._load_state_dict(state)
 
     # -- per step ---------------------------------------------------------------------------------
     def start_step(self) -> None:
-        """Join the quorum of the next step (a recovering group loads its peer's state here)."""
+        """Join the quorum of the next step (a recovering group loads its peer's state here); the
+        quorum's and the heal's event lines (``fault_tolerant_events``)."""
+        started = time.monotonic()
+        self._received_bytes = None
         self.manager.start_quorum()
+        quorum = self._quorums.last
+        if quorum is None:
+            return
+        ids = list(quorum.replica_ids)
+        self.events.quorum(ids, self.replica_id, self.step, started)
+        source = quorum.recover_src_replica_rank
+        if self._received_bytes is not None and source is not None and 0 <= source < len(ids):
+            self.events.healed(
+                group_of(self.replica_id),
+                group_of(ids[source]),
+                self.step,
+                self._received_bytes,
+                time.monotonic() - started,
+            )
 
     def resume(self, step: int) -> None:
         """Start at committed ``step`` (a commit was loaded): the quorum then sees this group there."""
@@ -586,7 +620,10 @@ class FaultTolerantTransport:
 
     def commit(self) -> bool:
         """Whether every group of the quorum finished the step; the optimizer steps only then."""
-        return bool(self.manager.should_commit())
+        committed = bool(self.manager.should_commit())
+        if not committed:
+            self.events.step_failed(self.step, self.manager.errored())
+        return committed
 
     def report_error(self, error: Exception) -> None:
         """Mark the current step failed, so it is not committed: for a collective that raised outside

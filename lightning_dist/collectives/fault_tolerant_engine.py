@@ -1,5 +1,6 @@
 """Starting one replica group's torchft engine from a strategy's options: where its processes stand
-in the group, which Lighthouse it joins, and the ``FaultTolerantTransport`` it runs on."""
+in the group, which Lighthouse it joins, and the ``FaultTolerantTransport`` it runs on, with the
+timeouts derived from ``peer_timeout_s`` (printed once per group: ``fault_tolerant_timeouts``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from lightning_dist.collectives.fault_tolerant import (
     FaultTolerantTransport,
 )
 from lightning_dist.collectives.fault_tolerant_addresses import check_lighthouse, wait_for_lighthouse
+from lightning_dist.collectives.fault_tolerant_events import logger as events_logger
 
 OWNER = "FaultTolerant"
 
@@ -56,9 +58,10 @@ def start_transport(
                 f"${LIGHTHOUSE_ENV} (python -m lightning_dist.launch.fault_tolerant starts one and sets it)"
             )
         check_lighthouse(lighthouse, f"${LIGHTHOUSE_ENV}", owner=OWNER)
-    wait_for_lighthouse(lighthouse, options.timeout_s, owner=OWNER)
+    timeouts = options.timeouts
+    wait_for_lighthouse(lighthouse, timeouts.startup_s, owner=OWNER)
     replica_id: Optional[Union[str, int]] = options.replica_id  # a str (FaultTolerantOptions)
-    return FaultTolerantTransport(
+    transport = FaultTolerantTransport(
         state_dict,
         load_state_dict,
         model_state,
@@ -66,11 +69,15 @@ def start_transport(
         device_type=device_type,
         lighthouse=lighthouse,
         replica_id=os.environ.get(REPLICA_GROUP_ENV) if replica_id is None else str(replica_id),
-        timeout=timedelta(seconds=options.timeout_s),
-        quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+        timeout=timedelta(seconds=timeouts.collective_s),
+        quorum_timeout=timedelta(seconds=timeouts.quorum_s),
+        group_timeout=timedelta(seconds=timeouts.group_s),
         quorum_retries=options.quorum_retries,
         host=host,
         group_rank=group_rank,
         group_size=group_size,
         verbose=verbose,
     )
+    if group_rank == 0:  # once per group, at start: what every timeout is and where it came from
+        events_logger.info(timeouts.line())
+    return transport

@@ -1,7 +1,9 @@
 """How much torchft says. Quiet by default: its servers (the Lighthouse and each group's Manager,
 written in Rust) log every quorum at INFO, thousands of lines for a short run in which a traceback
 is hard to find; here they log warnings and errors only, and torchft's Python loggers warnings and
-up, less the "NCCL flight recorder" warning that CPU builds of torch print at every new quorum.
+up, less the "NCCL flight recorder" warning that CPU builds of torch print at every new quorum and
+the traceback of each peer failure its Manager records (the pack's own line says it:
+``fault_tolerant_events``).
 
 One switch turns everything back on: ``LD_FT_VERBOSE=1`` in the environment (the launcher's
 ``--verbose`` sets it for its Lighthouse and groups), or ``FaultTolerant(verbose=True)``. The Rust
@@ -25,6 +27,8 @@ QUIET_RUST_LOG = "warn"
 TORCHFT_LOGGERS = ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors")
 """torchft's Python loggers (``torchft.*`` and the three structured ones its Manager writes)."""
 FLIGHT_RECORDER = "flight recorder"
+SWALLOWED = "got exception"
+"""How torchft's Manager starts the line (with a traceback) of an error it records and goes on from."""
 
 
 def verbose_wanted(verbose: Optional[bool] = None, env: Optional[MutableMapping[str, str]] = None) -> bool:
@@ -43,10 +47,14 @@ def quiet_servers(env: MutableMapping[str, str], verbose: bool) -> None:
 
 
 class _NoFlightRecorder(logging.Filter):
-    """Drops torchft's "Unable to reset NCCL flight recorder" warning (torch builds without NCCL)."""
+    """Drops torchft's "Unable to reset NCCL flight recorder" warning (torch builds without NCCL) and
+    the traceback its Manager logs for each error it swallows and records ("got exception ...": the
+    step is then not committed): the pack writes one line per failure instead, with its cause
+    (``fault_tolerant_events``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return FLIGHT_RECORDER not in record.getMessage()
+        message = record.getMessage()
+        return FLIGHT_RECORDER not in message and SWALLOWED not in message
 
 
 _FILTER = _NoFlightRecorder()

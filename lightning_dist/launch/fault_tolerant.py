@@ -41,6 +41,7 @@ from lightning_dist.collectives.fault_tolerant_logs import (
     quiet_servers,
     verbose_wanted,
 )
+from lightning_dist.collectives.fault_tolerant_timeouts import HEARTBEAT_TIMEOUT_MS
 from lightning_dist.launch.warm_start import WORKER
 
 MONITOR_INTERVAL_S = 0.05
@@ -50,7 +51,9 @@ MONITOR_INTERVAL_S = 0.05
 class Lighthouse:
     """torchft's Lighthouse server in this process, listening on ``bind`` (``host:port``; port 0
     picks one). ``restart()`` stops it and starts a new one on the same address (its quorum state
-    is lost; the groups' Managers retry and form the next quorum with it). ``verbose`` (default
+    is lost; the groups' Managers retry and form the next quorum with it). ``heartbeat_timeout_ms``:
+    a group whose heartbeats stopped this long ago is out of the next quorum (a dead group's peers
+    wait this long, not a collective's timeout). ``verbose`` (default
     ``$LD_FT_VERBOSE``): its INFO logs, when torchft is not imported yet in this process."""
 
     def __init__(
@@ -58,7 +61,7 @@ class Lighthouse:
         bind: str = "127.0.0.1:0",
         min_replicas: int = 1,
         join_timeout_ms: int = 1000,
-        heartbeat_timeout_ms: int = 5000,
+        heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
         quorum_tick_ms: int = 50,
         verbose: Optional[bool] = None,
     ) -> None:
@@ -230,7 +233,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--min-replicas", type=int, default=1, help="the Lighthouse's quorum minimum")
     parser.add_argument("--bind", default="127.0.0.1:0", help="the Lighthouse's listen address")
     parser.add_argument("--join-timeout-ms", type=int, default=1000)
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000)
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=HEARTBEAT_TIMEOUT_MS,
+        help="the Lighthouse drops a group whose heartbeats stopped this long ago: how soon the others "
+        f"go on without a dead group (default {HEARTBEAT_TIMEOUT_MS}; torchft's: 5000)",
+    )
     parser.add_argument(
         "--cold", action="store_true", help="no standby: torchrun starts each worker in a fresh Python"
     )

@@ -96,9 +96,14 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
             else torchft's random one).
         host: the address this group's servers listen on and advertise (checkpoint server, store);
             default ``$LD_FT_HOST`` or ``127.0.0.1``: set the node's address on a cluster.
-        timeout_s: collectives, commits and checkpoint transfers (a group stopped longer is
-            dropped from the quorum), and how long the Lighthouse may take to answer at setup.
-        quorum_timeout_s: how long a quorum may take to form.
+        peer_timeout_s: the one timeout: how long a peer may be silent (stopped, hung, cut off)
+            before the others go on without it; every other timeout is derived from it and printed
+            once at start (``lightning_dist.collectives.fault_tolerant_timeouts``). A peer whose
+            process dies is not waited for: the others learn it from its closed connections and the
+            Lighthouse's heartbeats (the launcher's ``--heartbeat-timeout-ms``).
+        timeout_s: overrides the collectives', commits', checkpoint transfers' and start-up
+            timeout (default: ``peer_timeout_s``).
+        quorum_timeout_s: overrides how long a quorum may take to form (default: ``peer_timeout_s``).
         quorum_retries: times a failed quorum request (the Lighthouse unreachable, restarting) is
             retried before the group fails (torchft's ``quorum_retries``).
         commit_every: committed steps between the pack's atomic commits (``CommitStore``, written by
@@ -142,8 +147,9 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
         lighthouse: Optional[str] = None,
         replica_id: Optional[Union[str, int]] = None,
         host: Optional[str] = None,
-        timeout_s: float = 60.0,
-        quorum_timeout_s: float = 60.0,
+        peer_timeout_s: float = 60.0,
+        timeout_s: Optional[float] = None,
+        quorum_timeout_s: Optional[float] = None,
         quorum_retries: int = 3,
         seed: int = 0,
         commit_every: int = 50,

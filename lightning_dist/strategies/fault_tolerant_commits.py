@@ -96,9 +96,7 @@ class FaultTolerantCommits(FaultTolerantState):
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         self.training_state.load(state)
-        logger.info(
-            "%s: recovered from a peer at step %d", OWNER, self.transport.step if self.transport else -1
-        )
+        logger.debug("%s: state loaded at step %d", OWNER, self.transport.step if self.transport else -1)
 
     def _resume(self, commit: Commit) -> None:
         """Start from ``commit``: its state loaded, torchft's step set to its step."""

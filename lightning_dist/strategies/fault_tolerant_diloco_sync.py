@@ -147,7 +147,7 @@ class DiLoCoPeriods(FaultTolerant):
 
     def _check_timeouts(self, period_s: float) -> None:
         """Warn once when a period takes longer than the timeouts a rejoining group needs."""
-        shortest = min(self.options.timeout_s, self.options.quorum_timeout_s)
+        shortest = min(self.options.timeouts.collective_s, self.options.timeouts.quorum_s)
         if period_s > shortest and not self._warned:
             self._warned = True
             logger.warning(

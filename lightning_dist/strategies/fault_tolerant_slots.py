@@ -152,7 +152,7 @@ class FaultTolerantSlots(FaultTolerantStep):
         a process that torchrun did not restart (a fresh run, or a whole job started again from its
         commits) asks again until ``start_groups`` groups are in it or ``quorum_timeout_s`` passed."""
         assert self.transport is not None
-        deadline = time.monotonic() + self.options.quorum_timeout_s
+        deadline = time.monotonic() + self.options.timeouts.quorum_s
         start_groups = self.options.start_groups or self.options.replica_groups
         wait = not self._joined and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
         self._joined = True

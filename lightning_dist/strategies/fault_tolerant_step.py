@@ -124,7 +124,7 @@ class FaultTolerantStep(FaultTolerantCommits):
         if not committed:
             self.uncommitted_steps += 1
             optimizer.zero_grad(set_to_none=True)
-            logger.warning("%s: step %d not committed (a peer failed); the quorum runs it again", OWNER, step)
+            logger.debug("%s: step %d not committed; the quorum runs it again", OWNER, step)
             return loss
         self.committed.append(StepRecord(step, list(self._step_indices), self._participants))
         self._stepped = True

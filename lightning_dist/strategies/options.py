@@ -70,10 +70,10 @@ T = TypeVar("T")
 def options_from(group: type[T], arguments: Mapping[str, Any]) -> T:
     """``group`` built (and so checked) from the same-named entries of ``arguments``, a constructor's
     ``locals()``: the options are named once, as the dataclass's fields."""
-    return group(**{f.name: arguments[f.name] for f in fields(group)})  # type: ignore[arg-type]
+    return group(**{f.name: arguments[f.name] for f in fields(group) if f.init})  # type: ignore[arg-type]
 
 
 def option_names(*groups: type, without: Iterable[str] = ()) -> list[str]:
     """The fields of the option dataclasses ``groups``, in order, each once, less ``without``."""
-    names = dict.fromkeys(f.name for group in groups for f in fields(group))
+    names = dict.fromkeys(f.name for group in groups for f in fields(group) if f.init)
     return [name for name in names if name not in set(without)]

@@ -5,11 +5,12 @@ base's options."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from lightning_dist.checks import check_bool, check_choice, check_int, check_number, check_positive
 from lightning_dist.collectives.fault_tolerant_addresses import check_host, check_lighthouse, check_replica_id
+from lightning_dist.collectives.fault_tolerant_timeouts import FaultTolerantTimeouts, derive_timeouts
 from lightning_dist.elastic.sampler import ON_INDIVISIBLE
 
 __all__ = ["ElasticOptions", "FaultTolerantDiLoCoOptions", "FaultTolerantOptions"]
@@ -54,8 +55,12 @@ class FaultTolerantOptions:
     replica_id: Optional[Union[str, int]] = None
     """An int becomes its digits (``check_replica_id``)."""
     host: Optional[str] = None
-    timeout_s: float = 60.0
-    quorum_timeout_s: float = 60.0
+    peer_timeout_s: float = 60.0
+    """The one timeout: how long a peer may be silent; the others follow (``fault_tolerant_timeouts``)."""
+    timeout_s: Optional[float] = None  # type: ignore[assignment]
+    """None: from ``peer_timeout_s`` (resolved here, a float afterwards)."""
+    quorum_timeout_s: Optional[float] = None  # type: ignore[assignment]
+    """None: from ``peer_timeout_s`` (resolved here, a float afterwards)."""
     quorum_retries: int = 3
     seed: int = 0
     commit_every: int = 50
@@ -65,6 +70,8 @@ class FaultTolerantOptions:
     """None: ``replica_groups`` (resolved here)."""
     verbose: Optional[bool] = None
     """None: ``$LD_FT_VERBOSE`` (``fault_tolerant_logs``)."""
+    timeouts: FaultTolerantTimeouts = field(init=False, repr=False)
+    """Every timeout, derived once (``derive_timeouts``)."""
 
     def __post_init__(self) -> None:
         owner = "FaultTolerant"
@@ -78,8 +85,13 @@ class FaultTolerantOptions:
         if self.global_batch is not None:
             check_int("global_batch", self.global_batch, 1, owner=owner)
         check_int("min_replica_size", self.min_replica_size, 1, self.replica_groups, owner=owner)
-        check_positive("timeout_s", self.timeout_s, owner=owner)
-        check_positive("quorum_timeout_s", self.quorum_timeout_s, owner=owner)
+        check_positive("peer_timeout_s", self.peer_timeout_s, owner=owner)
+        if self.timeout_s is not None:
+            check_positive("timeout_s", self.timeout_s, owner=owner)
+        if self.quorum_timeout_s is not None:
+            check_positive("quorum_timeout_s", self.quorum_timeout_s, owner=owner)
+        self.timeouts = derive_timeouts(self.peer_timeout_s, self.timeout_s, self.quorum_timeout_s)
+        self.timeout_s, self.quorum_timeout_s = self.timeouts.collective_s, self.timeouts.quorum_s
         check_int("seed", self.seed, 0, owner=owner)
         check_int("quorum_retries", self.quorum_retries, 0, owner=owner)
         check_int("commit_every", self.commit_every, 0, owner=owner)

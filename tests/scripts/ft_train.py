@@ -181,6 +181,7 @@ class Record(L.Callback):
             self.write_syncs(strategy)
         first, self.step = trainer.global_step != self.step, trainer.global_step
         if ATTEMPT == 0 and (GROUP, trainer.global_step, RANK) in FAIL and first:
+            (OUT / f"killed_{NAME}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if f"{GROUP}:{trainer.global_step}" == DROP and first:
             assert strategy.compression is not None
@@ -198,6 +199,7 @@ class Record(L.Callback):
                 "indices": rec.indices,
                 "participants": rec.participants,
                 "attempt": ATTEMPT,
+                "t": time.time(),
             }
             self.file.write(json.dumps(row) + "\n")
         for rec in strategy.committed[self.written :]:
