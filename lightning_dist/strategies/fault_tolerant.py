@@ -38,10 +38,8 @@ the group: ``FaultTolerantTransport.sum_over_groups``), the commit is voted by t
 together, and a recovering process fetches the state of the same process of its peer group. Lightning
 sees the group's processes as ranks ``0..G-1`` (rank 0 writes checkpoints and logs).
 
-``reduce_op="adasum"``: each group's gradient (its slots' sum, times ``M / n`` for its ``n`` slots: the
-mean over its own samples, what a rank of ``DDP(reduce_op="adasum")`` brings) is combined with the
-other groups' by Adasum per parameter tensor, in the quorum's rank order; a step whose quorum changes
-is not committed, so each committed step is one quorum's Adasum (docs/live-recovery.md).
+``reduce_op="adasum"``: each group's mean over its own samples is combined with the other groups' by
+Adasum per tensor, in the quorum's rank order; each committed step is one quorum's (docs/live-recovery.md).
 
 ``compressor=`` sends the gradients through one of the pack's compressors (``Compressed``'s names
 and objects); its state follows the groups across failures (``fault_tolerant_compression``).
