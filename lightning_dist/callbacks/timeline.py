@@ -90,12 +90,17 @@ class Timeline(L.Callback):
         self._backward_end: Optional[int] = None
         self._optimizer_start: Optional[int] = None
         self._batch_idx = 0
+        self._batch_open = False
+        self._batch_step = 0
+        self._reasons: list[str] = []
 
     # -- recording --------------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.trace = None
         self.failure_path = None
+        self._reasons = []
+        self._batch_open = False
         self._rank = trainer.global_rank
         if self.failure_trace:
             self.attempt = self._attempt(trainer)
@@ -144,8 +149,19 @@ class Timeline(L.Callback):
         rec, attempt = self._recorder, self.attempt
         if rec is None or attempt is None or not self.failure_trace:
             return None
+        if reason not in self._reasons:
+            self._reasons.append(reason)
         try:
-            failure.write_rank(self.path, attempt, {"rank": self._rank, "reason": reason, **rec.export()})
+            part = {"rank": self._rank, "reason": "; then ".join(self._reasons), **rec.export()}
+            if self._batch_open:  # the batch that did not end, up to now
+                unfinished = (
+                    "train_batch",
+                    self._batch_start,
+                    trace.now_ns(),
+                    {"step": self._batch_step, "batch_idx": self._batch_idx, "unfinished": True},
+                )
+                part["spans"] = [*part["spans"], unfinished]
+            failure.write_rank(self.path, attempt, part)
             failure.merge_attempt(self.path, attempt, chrome_trace)
             self.failure_path = failure.attempt_path(self.path, attempt)
         except Exception as exc:  # noqa: BLE001  (a failing run's trace must not hide its error)
@@ -164,6 +180,8 @@ class Timeline(L.Callback):
         self._batch_start = self._forward_start = trace.now_ns()
         self._backward_start = self._backward_end = self._optimizer_start = None
         self._batch_idx = batch_idx
+        self._batch_step = trainer.global_step
+        self._batch_open = True
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
@@ -200,6 +218,7 @@ class Timeline(L.Callback):
         now = trace.now_ns()
         # ``global_step`` has advanced past an optimizer step taken in this batch
         step = trainer.global_step - (1 if self._optimizer_start is not None else 0)
+        self._batch_open = False
         rec = self._recorder
         if rec is None:
             return
