@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_dist.callbacks.stragglers import StragglerReport, gather_arrivals
 from lightning_dist.compression.wire import ring_all_reduce_bytes
 from lightning_dist.warn import warn_once
 
@@ -35,6 +36,8 @@ COMPRESSION_RATIO = "comm/compression_ratio"
 SAMPLES_PER_S = "perf/samples_per_s"
 TOKENS_PER_S = "perf/tokens_per_s"
 SCALING_EFFICIENCY = "perf/scaling_efficiency"
+WAIT_SECONDS = "comm/wait_s"
+STRAGGLER_RANK = "comm/straggler_rank"
 
 METRICS = (
     STEP_SECONDS,
@@ -46,8 +49,11 @@ METRICS = (
     SAMPLES_PER_S,
     TOKENS_PER_S,
     SCALING_EFFICIENCY,
+    WAIT_SECONDS,
+    STRAGGLER_RANK,
 )
-"""Every key ``CommMonitor`` may log (the last three and the compression ratio only where defined)."""
+"""Every key ``CommMonitor`` may log (throughput, scaling efficiency and the compression ratio only
+where defined; the straggler keys only with ``stragglers=N``)."""
 
 _SUMMARY_KEYS = {
     BYTES_RECEIVED: "bytes_received_per_step",
@@ -117,6 +123,20 @@ class CommMonitor(L.Callback):
     step, but in the collectives' totals). Each
     step's values are kept in ``history``; ``summary()`` gives medians over the steps after
     ``warmup``. ``losses`` holds the rank-local loss of every batch (micro-batch).
+
+    ``stragglers=N`` (0, the default: off) adds the straggler report: every collective's arrival
+    time is recorded on each rank (``Communicator.arrivals``), and every N optimizer steps (and at
+    the end of training) the ranks gather them (one ``all_gather`` through the communicator, after
+    the step's window: in no step's counters) and log, on the step that closes the interval:
+
+    - ``comm/wait_s``: seconds per step this rank waited at collectives for the last rank to arrive
+      (the sum over the interval's collectives of ``last arrival - this rank's arrival``, divided by
+      the interval's steps);
+    - ``comm/straggler_rank``: the rank that was last at the most of the interval's collectives.
+
+    ``straggler_report`` (a ``StragglerReport``, every rank) holds the totals of the fit, and rank 0
+    prints its table at the end of training ("rank 1 was last at 93% of 120 collectives, the others
+    waited 41% of their step for it"). The clock is Unix time: see ``collectives.arrivals``.
     """
 
     def __init__(
@@ -129,7 +149,12 @@ class CommMonitor(L.Callback):
         single_process_samples_per_s: Optional[float] = None,
         prog_bar: Iterable[str] = (SAMPLES_PER_S, COMM_SHARE),
         sync_dist: bool = False,
+        stragglers: int = 0,
     ) -> None:
+        if isinstance(stragglers, bool) or not isinstance(stragglers, int) or stragglers < 0:
+            raise ValueError(
+                f"stragglers={stragglers!r}: accepted an int >= 0 (every how many steps to report; 0: off)"
+            )
         for name, value in (
             ("batch_size", batch_size),
             ("tokens_per_sample", tokens_per_sample),
@@ -149,6 +174,9 @@ class CommMonitor(L.Callback):
         self.single_process_samples_per_s = single_process_samples_per_s
         self.prog_bar = frozenset(prog_bar)
         self.sync_dist = sync_dist
+        self.stragglers = stragglers
+        self.straggler_report: Optional[StragglerReport] = None
+        self._interval_steps = 0
         # one entry per optimizer step
         self.history: list[dict[str, float]] = []
         self.step_seconds: list[float] = []
@@ -181,8 +209,14 @@ class CommMonitor(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.gradient_numel = self._trainable_numel(pl_module)
         self._pending = self._empty()
-        if trainer.world_size > 1 and getattr(trainer.strategy, "communicator", None) is None:
+        comm = getattr(trainer.strategy, "communicator", None)
+        if trainer.world_size > 1 and comm is None:
             self._warn_unmeasured(trainer)
+        self.straggler_report = None
+        self._interval_steps = 0
+        if self.stragglers and comm is not None and comm.world_size > 1:
+            self.straggler_report = StragglerReport(comm.world_size)
+            comm.arrivals.start()
 
     def _warn_unmeasured(self, trainer: L.Trainer) -> None:
         """Once per monitor: this strategy's collectives are not counted, so comm/* read 0."""
@@ -250,6 +284,56 @@ class CommMonitor(L.Callback):
                     sync_dist=self.sync_dist,
                     batch_size=1,
                 )
+        if self.straggler_report is not None:
+            self._interval_steps += 1
+            if self._interval_steps >= self.stragglers:
+                self._report_interval(trainer, pl_module)
+
+    def _gather_interval(self, trainer: L.Trainer, step_seconds: Optional[float] = None) -> StragglerReport:
+        """The interval's report (every rank's arrivals since the last one), added to the fit's."""
+        report = self.straggler_report
+        assert report is not None
+        comm = trainer.strategy.communicator  # type: ignore[attr-defined]
+        matrix, steps = gather_arrivals(comm, comm.arrivals.take(), step_seconds)
+        interval = StragglerReport(report.world_size)
+        for starts in matrix:
+            interval.add(starts)
+        report.merge(interval)
+        if steps is not None:
+            report.step_seconds = steps
+        return interval
+
+    def _report_interval(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        interval = self._gather_interval(trainer)
+        steps, self._interval_steps = self._interval_steps, 0
+        values = {WAIT_SECONDS: interval.wait_s(trainer.global_rank) / max(1, steps)}
+        straggler = interval.straggler()
+        if straggler is not None:
+            values[STRAGGLER_RANK] = float(straggler)
+        if self.history:
+            self.history[-1].update(values)
+        if self.log_metrics:
+            for key, value in values.items():  # rank-local already global: never averaged
+                pl_module.log(
+                    key, value, on_step=True, on_epoch=False, prog_bar=key in self.prog_bar, batch_size=1
+                )
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.straggler_report is None:
+            return
+        self._gather_interval(trainer, sum(self.step_seconds))
+        trainer.strategy.communicator.arrivals.stop()  # type: ignore[attr-defined]
+        if trainer.global_rank == 0:
+            print(f"Straggler report ({trainer.world_size} ranks)\n{self.straggler_report.table()}")
+
+    @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        comm = getattr(trainer.strategy, "communicator", None)
+        if comm is not None:
+            comm.arrivals.stop()
 
     def _count(self, batch: Any) -> tuple[int, int]:
         """(samples, tokens) in one batch on this rank; tokens 0 where unknown."""

@@ -31,7 +31,7 @@ import pickle
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -41,6 +41,7 @@ from torch.futures import Future
 from lightning_dist.collectives import trace as _trace
 from lightning_dist.collectives.accounting import CommStats
 from lightning_dist.collectives.adasum import AdasumLanes, adasum_all_reduce, check_adasum_dtypes
+from lightning_dist.collectives.arrivals import Arrivals
 from lightning_dist.collectives.backend import Backend, check_reduce_op, rows
 from lightning_dist.collectives.futures import completed_future
 from lightning_dist.collectives.timeouts import (
@@ -55,6 +56,8 @@ from lightning_dist.collectives.work import FutureWork
 logger = logging.getLogger(__name__)
 
 TensorOrList = Union[Tensor, Sequence[Tensor]]
+_POINT_TO_POINT = frozenset({"send", "recv"})
+"""Ops that are not collectives: not in ``Communicator.arrivals``."""
 
 
 def _nbytes(t: Tensor) -> int:
@@ -86,6 +89,8 @@ class Communicator:
         self._lanes = AdasumLanes()
         self._timeouts: deque[CollectiveTimeout] = deque(maxlen=8)
         """The last ``CollectiveTimeout``s raised by this communicator's operations, any thread."""
+        self.arrivals = Arrivals()
+        """When this rank posted each collective, while on (``CommMonitor(stragglers=N)`` turns it on)."""
 
     @property
     def rank(self) -> int:
@@ -177,6 +182,8 @@ class Communicator:
         rec = _trace.active
         stats = self.stats
         begin = time.perf_counter_ns()
+        if self.arrivals.on and op not in _POINT_TO_POINT:
+            self.arrivals.add(op, begin)
         stats.enter(begin)
         try:
             fut = start()
@@ -186,8 +193,10 @@ class Communicator:
         stats.add(op, sent, received)
         context = self.timeout_context()
         record = self._timeouts.append
+        key = 0
         if rec is not None:
             rank, world_size, thread = self.rank, self.world_size, threading.current_thread().name
+            key = rec.posted(op, begin, rank, world_size, thread, detail)
 
         # The callback must not hold the communicator: if it dropped the last reference to a
         # process group inside that group's own worker thread, the group's destructor would abort.
@@ -195,10 +204,18 @@ class Communicator:
             end = time.perf_counter_ns()
             stats.add_time(op, (end - begin) / 1e9)
             stats.leave(end)
-            if rec is not None:
-                rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail)
-            with naming_timeouts(op, record, detail=detail, **context):
-                return f.value()
+            if rec is None:
+                with naming_timeouts(op, record, detail=detail, **context):
+                    return f.value()
+            try:
+                with naming_timeouts(op, record, detail=detail, **context):
+                    value = f.value()
+            except BaseException as exc:
+                status = "timed out" if is_timeout(exc) else "failed"
+                rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail, status, key)
+                raise
+            rec.collective(op, begin, end, sent, received, rank, world_size, thread, detail, "", key)
+            return value
 
         return fut.then(_done)
 
@@ -209,6 +226,26 @@ class Communicator:
             rec.collective(
                 op, begin_ns, time.perf_counter_ns(), sent, received, self.rank, self.world_size, None, detail
             )
+
+    @contextlib.contextmanager
+    def _blocking(self, op: str, begin_ns: int, detail: str = "") -> Iterator[None]:
+        """Around a blocking operation posted at ``begin_ns``: its arrival, and while a recorder is
+        active, the call as in flight until it returns, or as failed (timed out) if it raises."""
+        if self.arrivals.on:
+            self.arrivals.add(op, begin_ns)
+        rec = _trace.active
+        if rec is None:
+            yield
+            return
+        key = rec.posted(op, begin_ns, self.rank, self.world_size, None, detail)
+        try:
+            yield
+        except BaseException as exc:
+            status = "timed out" if is_timeout(exc) else "failed"
+            end = time.perf_counter_ns()
+            rec.collective(op, begin_ns, end, 0, 0, self.rank, self.world_size, None, detail, status, key)
+            raise
+        rec.settled(key)
 
     def _post(
         self, op: str, sent: int, received: int, start: Callable[[], Future], detail: str = ""
@@ -244,6 +281,8 @@ class Communicator:
             return completed_future(tensor if single else tensors)
         if op == "adasum":
             check_adasum_dtypes(tensors)  # here, not in the worker thread: before anything is posted
+            if self.arrivals.on:
+                self.arrivals.add("adasum", time.perf_counter_ns())
             return self._lanes.submit(self._adasum_job(tensors, single), self.backend.independent_tags)
         backend = self.backend
         if single:
@@ -322,7 +361,11 @@ class Communicator:
         self._lanes.wait_idle()
         start = time.perf_counter_ns()
         context = self.timeout_context()
-        with naming_timeouts("broadcast_object", self._timeouts.append, detail=f"from rank {src}", **context):
+        detail = f"from rank {src}"
+        with (
+            self._blocking("broadcast_object", start, detail),
+            naming_timeouts("broadcast_object", self._timeouts.append, detail=detail, **context),
+        ):
             result = self.backend.broadcast_object(obj, src)
         n = len(pickle.dumps(result)) + 8
         sent, received = ((self.world_size - 1) * n, 0) if self.rank == src else (0, n)
@@ -518,7 +561,10 @@ class Communicator:
             return
         self._lanes.wait_idle()
         start = time.perf_counter_ns()
-        with naming_timeouts("barrier", self._timeouts.append, **self.timeout_context()):
+        with (
+            self._blocking("barrier", start),
+            naming_timeouts("barrier", self._timeouts.append, **self.timeout_context()),
+        ):
             self.backend.barrier()
         self.stats.add("barrier", 0, 0, (time.perf_counter_ns() - start) / 1e9)
         self.stats.add_busy((time.perf_counter_ns() - start) / 1e9)

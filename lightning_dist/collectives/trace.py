@@ -14,6 +14,7 @@ nodes) in a merged trace. World size 1 records nothing: nothing crosses a wire.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -43,6 +44,9 @@ class CollectiveEvent(NamedTuple):
     """The thread that posted it."""
     detail: str = ""
     """What it moved (``"sum, 1234 float32 elements"``)."""
+    status: str = ""
+    """``""``: completed; ``"timed out"`` or ``"failed"``: its future (or call) raised; ``"in flight"``:
+    posted and not completed when the recorder was exported (``end_ns`` is then the export time)."""
 
 
 class Span(NamedTuple):
@@ -60,8 +64,32 @@ class Recorder:
     def __init__(self) -> None:
         self.events: list[CollectiveEvent] = []
         self.spans: list[Span] = []
+        self.open: dict[int, CollectiveEvent] = {}
+        """Calls posted and not completed yet, by the key ``posted`` returned."""
+        self._keys = itertools.count(1)
         self.clock_offset_ns = time.time_ns() - time.perf_counter_ns()
         """Add to a ``perf_counter_ns`` value to get Unix time in nanoseconds."""
+
+    def posted(
+        self,
+        op: str,
+        start_ns: int,
+        rank: int,
+        world_size: int,
+        thread: Optional[str] = None,
+        detail: str = "",
+    ) -> int:
+        """Note a call as in flight from ``start_ns``; returns its key for ``collective``/``settled``."""
+        key = next(self._keys)
+        name = threading.current_thread().name if thread is None else thread
+        self.open[key] = CollectiveEvent(
+            op, start_ns, start_ns, 0, 0, rank, world_size, name, detail, "in flight"
+        )
+        return key
+
+    def settled(self, key: int) -> None:
+        """The call ``posted`` returned ``key`` for is no longer in flight."""
+        self.open.pop(key, None)
 
     def collective(
         self,
@@ -74,21 +102,31 @@ class Recorder:
         world_size: int,
         thread: Optional[str] = None,
         detail: str = "",
+        status: str = "",
+        key: int = 0,
     ) -> None:
-        """Add one operation (``list.append`` is atomic: safe from transport threads)."""
+        """Add one operation (``list.append`` is atomic: safe from transport threads); ``key``: the
+        one ``posted`` returned for it, which is no longer in flight."""
         name = threading.current_thread().name if thread is None else thread
         self.events.append(
-            CollectiveEvent(op, start_ns, end_ns, int(sent), int(received), rank, world_size, name, detail)
+            CollectiveEvent(
+                op, start_ns, end_ns, int(sent), int(received), rank, world_size, name, detail, status
+            )
         )
+        if key:
+            self.open.pop(key, None)
 
     def span(self, name: str, start_ns: int, end_ns: int, **args: Any) -> None:
         self.spans.append(Span(name, start_ns, end_ns, args))
 
     def export(self) -> dict[str, Any]:
-        """Plain, picklable data: events and spans as tuples, and the clock offset."""
+        """Plain, picklable data: events and spans as tuples, and the clock offset. Calls still in
+        flight come last, with status ``"in flight"`` and the export time as their end."""
+        now = now_ns()
+        pending = [e._replace(end_ns=max(now, e.start_ns)) for e in list(self.open.values())]
         return {
             "clock_offset_ns": self.clock_offset_ns,
-            "events": [tuple(e) for e in self.events],
+            "events": [tuple(e) for e in (*self.events, *pending)],
             "spans": [tuple(s) for s in self.spans],
         }
 

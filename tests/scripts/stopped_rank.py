@@ -16,6 +16,7 @@ Where the rank stops decides which collective times out on the other rank:
 Files in DIR, for the test to read:
   rank{r}.pid      each rank's pid, written at start (the test checks none is left behind)
   stopped.json     the stopping rank: {"rank", "step", "at", "time"} just before it sends itself SIGSTOP
+  (--timeline PATH: a Timeline writes its failure trace next to PATH)
   rank{r}.error.json  a rank whose fit raised: {"type", "text", "time"} (``text``: the exception
                    and its causes, as the traceback shows them), then the exception propagates
 """
@@ -36,6 +37,7 @@ import torch
 
 import lightning_dist
 from lightning_dist import collectives
+from lightning_dist.callbacks import Timeline
 from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 from lightning_dist.workload.trainer import quiet_trainer
 
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-at", choices=["batch_start", "training_step", "backward"], default="training_step")
     p.add_argument("--max-steps", type=int, default=20)
     p.add_argument("--out", required=True)
+    p.add_argument("--timeline", default=None, help="a Timeline's path (its failure trace lands next to it)")
     a = p.parse_args(argv)
     # torchrun sets RANK; Lightning's launcher starts rank r > 0 with LOCAL_RANK=r (one node)
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         max_steps=a.max_steps,
         limit_val_batches=0,
+        callbacks=[] if a.timeline is None else [Timeline(a.timeline)],
     )
     try:
         trainer.fit(model)
