@@ -45,6 +45,7 @@ from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.algorithms.diloco_params import inner_parameters
 from lightning_dist.compression import Compressor
 from lightning_dist.state import RankStates
+from lightning_dist.strategies.batch_shares import DILOCO_SHARES, refuse_shares
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
@@ -96,6 +97,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         start_method: str = "auto",
         **unknown: Any,
     ) -> None:
+        refuse_shares(type(self).__name__, unknown, DILOCO_SHARES)
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
         options_from(DiLoCoOptions, locals())  # checks them
         self.compressor = build_diloco_compressor(compression)

@@ -62,6 +62,7 @@ from lightning_dist.collectives.fault_tolerant_logs import configure_torchft_log
 from lightning_dist.compat import disable_distributed_sampler, set_global_step
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.compression.builder import build_compressor
+from lightning_dist.strategies.batch_shares import FAULT_TOLERANT_SHARES, refuse_shares
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.fault_tolerant_callback import install_step_callback
 from lightning_dist.strategies.fault_tolerant_slots import FaultTolerantSlots
@@ -148,6 +149,7 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
         compressor: Optional[Union[str, Compressor]] = None,
         **compressor_options: Any,
     ) -> None:
+        refuse_shares(OWNER, compressor_options, FAULT_TOLERANT_SHARES)
         self.options = options_from(FaultTolerantOptions, locals())
         accepted = [*option_names(FaultTolerantOptions), "device", "compressor"]
         if compressor is None and compressor_options:
