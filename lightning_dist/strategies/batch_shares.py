@@ -82,12 +82,25 @@ class SharesSampler(Sampler[list[int]]):
     """Batch sampler of one rank under its part's plan: its micro-batches, step by step, from
     ``start_step`` of ``epoch`` (see ``lightning_dist.algorithms.batch_shares``)."""
 
-    def __init__(self, part: BatchShares, dataset_len: int, epoch: int, shuffle: bool) -> None:
+    def __init__(self, part: BatchShares, dataset_len: int, epoch: int, given: object) -> None:
         self.part = part
         self.dataset_len = dataset_len
         self.epoch = epoch
         self.start_step = 0
-        self.shuffle = shuffle
+        self.given = given
+        """The loader's sampler: Lightning's DistributedSampler (its order is kept, so step s has the
+        uniform run's samples), a RandomSampler (``epoch_order``) or another (the dataset's order)."""
+
+    def order(self) -> torch.Tensor:
+        """The epoch's order of the dataset's indices, the same on every rank."""
+        given, n = self.given, self.dataset_len
+        if isinstance(given, DistributedSampler):
+            if not given.shuffle:
+                return torch.arange(n)
+            generator = torch.Generator()
+            generator.manual_seed(given.seed + self.epoch)  # DistributedSampler's own permutation
+            return torch.randperm(n, generator=generator)
+        return epoch_order(n, self.part.seed, self.epoch, isinstance(given, RandomSampler))
 
     @property
     def steps_per_epoch(self) -> int:
@@ -108,7 +121,7 @@ class SharesSampler(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         part = self.part
-        order = epoch_order(self.dataset_len, part.seed, self.epoch, self.shuffle)
+        order = self.order()
         base = part.epoch_base = part.global_step() - self.start_step  # the epoch's step 0
         part.queued.clear()
         for j in range(self.start_step, self.steps_per_epoch):
@@ -285,10 +298,7 @@ class BatchSharesMixin(TrainingStateMixin, _MixinBase):
         part.global_step = lambda: trainer.global_step
         part.epoch_base = trainer.global_step
         given = dataloader.sampler  # the user's, or the DistributedSampler Lightning put over it
-        shuffle = isinstance(given, RandomSampler) or (
-            isinstance(given, DistributedSampler) and given.shuffle
-        )
-        sampler = SharesSampler(part, len(dataloader.dataset), trainer.current_epoch, shuffle)  # type: ignore[arg-type]
+        sampler = SharesSampler(part, len(dataloader.dataset), trainer.current_epoch, given)  # type: ignore[arg-type]
         logger.debug("shares: rank %d of %d, plan %s", rank, world, part.schedule.changes)
         return SharesLoader(
             dataloader.dataset,
