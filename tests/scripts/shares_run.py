@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = cpu_trainer(2, strategy, a.steps, enable_checkpointing=bool(a.ckpt_at), logger=False)
     if a.ckpt_at:
         trainer.callbacks.append(
-            ModelCheckpoint(dirpath=a.out, filename="at{step}", every_n_train_steps=a.ckpt_at, save_top_k=-1)
+            ModelCheckpoint(dirpath=a.out, filename="at-{step}", every_n_train_steps=a.ckpt_at, save_top_k=-1)
         )
     model = Regression([float(c) for c in a.cost.split(",")])
     if strategy.batch_shares is not None:
