@@ -38,7 +38,12 @@ TOLERANCE = 1e-5
 # -- the plan maths ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("weights", "total", "expected"),
-    [((3, 1), 8, [6, 2]), ((1, 1), 8, [4, 4]), ((1, 1, 1), 8, [3, 3, 2]), ((2, 1, 1, 0.5), 90, [40, 20, 20, 10])],
+    [
+        ((3, 1), 8, [6, 2]),
+        ((1, 1), 8, [4, 4]),
+        ((1, 1, 1), 8, [3, 3, 2]),
+        ((2, 1, 1, 0.5), 90, [40, 20, 20, 10]),
+    ],
 )
 def test_hand_shares_are_proportional_and_sum_to_the_global_batch(
     weights: tuple[float, ...], total: int, expected: list[int]
@@ -117,9 +122,7 @@ def test_every_sample_once_across_share_changes() -> None:
     assert [len(b) for b in batches[1][8:12]] == [3, 2, 3, 2]  # step 4: 5 samples as 3 + 2
 
 
-@pytest.mark.parametrize(
-    "bad", ["fast", [], [3, 0], [1, float("nan")], [True, 1], 3, {"a": 1}]
-)
+@pytest.mark.parametrize("bad", ["fast", [], [3, 0], [1, float("nan")], [True, 1], 3, {"a": 1}])
 def test_bad_shares_are_refused_at_construction(bad: Any) -> None:
     with pytest.raises(ValueError, match="shares="):
         lightning_dist.DDP(shares=bad)
@@ -183,7 +186,9 @@ def test_shares_end_with_the_uniform_runs_weights(runs: Path, name: str) -> None
     infos = [load_rank(runs / name, r)[1] for r in (0, 1)]
     steps = [_steps(i) for i in infos]
     for step in range(8):  # the same B samples at every step, split by the shares
-        assert sorted(steps[0][step] + steps[1][step]) == sorted(uniform_steps[0][step] + uniform_steps[1][step])
+        assert sorted(steps[0][step] + steps[1][step]) == sorted(
+            uniform_steps[0][step] + uniform_steps[1][step]
+        )
     if name != "balanced":
         assert [len(steps[r][0]) for r in (0, 1)] == [6, 2]
 
