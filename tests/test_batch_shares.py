@@ -26,7 +26,8 @@ from lightning_dist.algorithms.batch_shares import (
     rank_positions,
     round_shares,
 )
-from lightning_dist.strategies.batch_shares import BatchShares, SharesSampler
+from lightning_dist.strategies.batch_shares import BatchShares
+from lightning_dist.strategies.batch_shares_data import SharesSampler
 
 SCRIPT = str(SCRIPTS / "shares_run.py")
 BUDGET = 240

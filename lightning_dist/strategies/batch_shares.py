@@ -19,14 +19,13 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
 from typing_extensions import override
 
 from lightning_dist.algorithms.batch_shares import (
@@ -35,11 +34,9 @@ from lightning_dist.algorithms.batch_shares import (
     balanced_shares,
     hand_shares,
     loss_scale,
-    micro_sizes,
     parse_shares,
-    rank_positions,
 )
-from lightning_dist.elastic.sampler import epoch_order
+from lightning_dist.strategies.batch_shares_data import SharesLoader, SharesSampler
 from lightning_dist.strategies.elastic_data import is_training_loader
 from lightning_dist.strategies.rank_state import TrainingStateMixin
 from lightning_dist.warn import warn_once
@@ -60,9 +57,9 @@ DILOCO_SHARES = (
     "DiLoCo's inner steps are local, so a loss weight would change each rank's inner learning rate; "
     "shares there need the pseudo-gradients weighted by samples trained, which is not built"
 )
-ELASTIC_SHARES = (
-    "Elastic reads the data by its own elastic plan (ElasticSampler) and re-splits the global batch "
-    "on every world size; shares over that plan are not built"
+RESILIENCE_SHARES = (
+    "reads the data by its own plan (ElasticSampler), which re-splits the global batch on every "
+    "world size; shares over that plan are not built"
 )
 FAULT_TOLERANT_SHARES = (
     "FaultTolerant splits a step into micro-batch slots shared by the quorum's groups; shares over "
@@ -76,80 +73,6 @@ def refuse_shares(owner: str, options: Mapping[str, Any], why: str) -> None:
     """``ValueError`` when ``options`` set ``shares`` on a strategy that does not take them."""
     if options.get("shares") is not None:
         raise ValueError(f"{owner} does not take shares={options['shares']!r}: {why}; accepted: shares=None")
-
-
-class SharesSampler(Sampler[list[int]]):
-    """Batch sampler of one rank under its part's plan: its micro-batches, step by step, from
-    ``start_step`` of ``epoch`` (see ``lightning_dist.algorithms.batch_shares``)."""
-
-    def __init__(self, part: BatchShares, dataset_len: int, epoch: int, given: object) -> None:
-        self.part = part
-        self.dataset_len = dataset_len
-        self.epoch = epoch
-        self.start_step = 0
-        self.given = given
-        """The loader's sampler: Lightning's DistributedSampler (its order is kept, so step s has the
-        uniform run's samples), a RandomSampler (``epoch_order``) or another (the dataset's order)."""
-
-    def order(self) -> torch.Tensor:
-        """The epoch's order of the dataset's indices, the same on every rank."""
-        given, n = self.given, self.dataset_len
-        if isinstance(given, DistributedSampler):
-            if not given.shuffle:
-                return torch.arange(n)
-            generator = torch.Generator()
-            generator.manual_seed(given.seed + self.epoch)  # DistributedSampler's own permutation
-            return torch.randperm(n, generator=generator)
-        return epoch_order(n, self.part.seed, self.epoch, isinstance(given, RandomSampler))
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.dataset_len // self.part.total
-
-    def __len__(self) -> int:
-        """The whole epoch's micro-batches (Lightning counts a resumed epoch's from its progress)."""
-        return self.steps_per_epoch * self.part.accumulate
-
-    @property
-    def sampler(self) -> SharesSampler:
-        """Itself: Lightning calls ``set_epoch`` on ``batch_sampler.sampler``."""
-        return self
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.start_step = epoch, 0
-
-    def __iter__(self) -> Iterator[list[int]]:
-        part = self.part
-        order = self.order()
-        base = part.epoch_base = part.global_step() - self.start_step  # the epoch's step 0
-        part.queued.clear()
-        for j in range(self.start_step, self.steps_per_epoch):
-            step = base + j
-            start, stop = rank_positions(part.schedule.at(step), part.rank)
-            position = j * part.total + start
-            for m in micro_sizes(stop - start, part.accumulate):
-                part.queued.append(m)
-                part.yielded = max(part.yielded, step)
-                yield order[position : position + m].tolist()
-                position += m
-        self.start_step = 0
-
-
-class SharesLoader(DataLoader):
-    """The training DataLoader on a ``SharesSampler``; its state (Lightning checkpoints it) is the
-    epoch, the steps done in it and the shares schedule."""
-
-    def state_dict(self) -> dict[str, Any]:
-        sampler: SharesSampler = self.batch_sampler  # type: ignore[assignment]
-        part = sampler.part
-        done = part.global_step() - part.epoch_base
-        return {"epoch": sampler.epoch, "step": done, "batch_shares": part.state_dict()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        sampler: SharesSampler = self.batch_sampler  # type: ignore[assignment]
-        sampler.epoch, sampler.start_step = int(state["epoch"]), int(state["step"])
-        sampler.part.load_state_dict(state["batch_shares"])
 
 
 class BatchShares:
@@ -268,6 +191,10 @@ class BatchSharesMixin(TrainingStateMixin, _MixinBase):
         weights, balance = parse_shares(shares)
         if weights is None and balance is None:
             return
+        resilience = getattr(self, "resilience", None)  # Elastic's part, set before DDP.__init__
+        if resilience is not None:
+            why = f"its resilience part ({type(resilience).__name__}) {RESILIENCE_SHARES}"
+            refuse_shares(type(self).__name__, {"shares": shares}, why)
         self.batch_shares = BatchShares(weights, balance)
         part = self.batch_shares
         self.training_state.register("batch_shares", part._piece, per_rank=False, load=part.load_state_dict)

@@ -38,7 +38,6 @@ from lightning_dist.compression import Compressor
 from lightning_dist.elastic.commits import Commit, CommitStore, capture_rng_state
 from lightning_dist.elastic.sampler import ElasticPlan, ElasticSampler
 from lightning_dist.elastic.writer import BackgroundWriter
-from lightning_dist.strategies.batch_shares import ELASTIC_SHARES, refuse_shares
 from lightning_dist.strategies.compressed import Compressed
 from lightning_dist.strategies.elastic_commits import (
     CommitCallback,
@@ -289,7 +288,6 @@ class Elastic(ElasticMixin, Compressed):
         background_commits: bool = True,
         **options: Any,
     ) -> None:
-        refuse_shares("Elastic", options, ELASTIC_SHARES)
         self._init_elastic(options_from(ElasticOptions, locals()))  # checks them
         options.setdefault("skip_nonfinite", True)
         options.setdefault("log_stats", False)
