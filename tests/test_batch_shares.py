@@ -28,6 +28,9 @@ from lightning_dist.algorithms.batch_shares import (
 )
 from lightning_dist.strategies.batch_shares import BatchShares
 from lightning_dist.strategies.batch_shares_data import SharesSampler
+from lightning_dist.strategies.compose import compose
+from lightning_dist.strategies.sharded import Sharded
+from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
 SCRIPT = str(SCRIPTS / "shares_run.py")
 BUDGET = 240
@@ -137,6 +140,8 @@ def test_bad_shares_are_refused_at_construction(bad: Any) -> None:
         (lambda: lightning_dist.Elastic(shares=[3, 1]), "ElasticSampler"),
         (lambda: lightning_dist.DiLoCo(shares=[3, 1]), "pseudo-gradients"),
         (lambda: lightning_dist.FaultTolerant(shares="balanced"), "slots"),
+        (lambda: ShardedDiLoCo(shares=[1, 1]), "pseudo-gradients"),
+        (lambda: compose(sync="diloco", shares=[3, 1]), "pseudo-gradients"),
     ],
 )
 def test_modes_without_shares_refuse_them_naming_why(make: Any, why: str) -> None:
@@ -149,6 +154,12 @@ def test_shares_register_one_replicated_piece_and_default_has_none() -> None:
     assert "batch_shares" not in lightning_dist.Compressed("none").training_state.names()
     strategy = lightning_dist.Compressed("none", shares=[3, 1])
     assert strategy.training_state.names(per_rank=False) == ["batch_shares"]
+    for made in (
+        Sharded(shares="balanced"),
+        compose(layout="sharded", shares=[3, 1]),
+        compose(shares=[3, 1]),
+    ):
+        assert made.batch_shares is not None
     with pytest.raises(ValueError, match="window"):
         Balance(window=0)
 

@@ -117,7 +117,7 @@ class BatchShares:
                 f"shares: a global batch of {total} samples cannot give each of {world} ranks "
                 f"{accumulate} micro-batches of at least one sample"
             )
-        if not self.schedule.changes:
+        if not self._fits(self.schedule):  # a first fit, or a later one on other ranks or batch
             self.schedule = ShareSchedule([(0, hand_shares(weights, total, accumulate))])
 
     # -- a micro-batch ------------------------------------------------------------------------------
@@ -168,14 +168,18 @@ class BatchShares:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         schedule = ShareSchedule.from_state(state["schedule"])
-        fits = all(len(s) == self.world and sum(s) == self.total for _, s in schedule.changes)
-        if not fits:
+        if not self._fits(schedule):
             warn_once(
                 f"shares: the checkpoint's shares {schedule.changes[-1][1]} do not split this run's global "
                 f"batch of {self.total} over {self.world} ranks; the run starts from its own shares"
             )
             return
         self.schedule, self.decided = schedule, int(state["decided"])
+
+    def _fits(self, schedule: ShareSchedule) -> bool:
+        """Whether ``schedule`` splits this run's global batch over its ranks."""
+        changes = schedule.changes
+        return bool(changes) and all(len(s) == self.world and sum(s) == self.total for _, s in changes)
 
     def _piece(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         return self.state_dict()
