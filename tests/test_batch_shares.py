@@ -175,6 +175,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             [SCRIPT, "--out", str(root / "ddp"), "--shares", "3,1"],
             [SCRIPT, "--out", str(root / "compressed"), "--strategy", "compressed", "--shares", "3,1"],
             [SCRIPT, "--out", str(root / "sharded"), "--strategy", "sharded", "--shares", "3,1"],
+            [SCRIPT, "--out", str(root / "uniform_acc2"), "--accumulate", "2", "--steps", "4"],
+            [SCRIPT, "--out", str(root / "ddp_acc2"), "--shares", "5,3", "--accumulate", "2", "--steps", "4"],
             [SCRIPT, "--out", str(root / "balanced"), *balanced, "--ckpt-at", "3"],
             [SCRIPT, "--out", str(root / "resumed"), *balanced, "--resume", str(root / "balanced" / "at-step=3.ckpt")],
         ],
@@ -184,7 +186,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _steps(info: dict[str, Any]) -> dict[int, list[int]]:
-    return {row[0]: row[1:] for row in info["seen"]}
+    """The indices each step trained on this rank (its micro-batches' together)."""
+    out: dict[int, list[int]] = {}
+    for row in info["seen"]:
+        out.setdefault(row[0], []).extend(row[1:])
+    return out
 
 
 @pytest.mark.slow
@@ -203,6 +209,18 @@ def test_shares_end_with_the_uniform_runs_weights(runs: Path, name: str) -> None
         )
     if name != "balanced":
         assert [len(steps[r][0]) for r in (0, 1)] == [6, 2]
+
+
+@pytest.mark.slow
+def test_shares_with_accumulation_end_with_the_uniform_runs_weights(runs: Path) -> None:
+    """B = 16 over 2 ranks x 2 micro-batches; shares [5, 3] give rank 1 micro-batches of 3 and 3,
+    rank 0 of 5 and 5: the per-micro-batch weights make the uniform update."""
+    uniform, _ = load_rank(runs / "uniform_acc2", 0)
+    for rank in (0, 1):
+        weights, info = load_rank(runs / "ddp_acc2", rank)
+        assert_same_weights(weights, uniform, atol=TOLERANCE)
+        assert [len(row) - 1 for row in info["seen"]] == ([5, 5] if rank == 0 else [3, 3]) * 4
+    assert info["global_step"] == 4
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 rank's final weights and the dataset indices it trained at every step.
 
 python tests/scripts/shares_run.py --out DIR --strategy ddp|compressed|sharded [--shares 3,1]
-    [--balance WINDOW --cost 1,3] [--steps 8] [--ckpt-at K] [--resume CKPT]
+    [--balance WINDOW --cost 1,3] [--steps 8] [--accumulate 1] [--ckpt-at K] [--resume CKPT]
 
 ``--balance`` turns the balancer on with a fake clock: rank r's ``training_step`` "takes"
 ``cost[r]`` seconds per sample, so its decisions are deterministic.
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--balance", type=int, default=0)
     p.add_argument("--cost", default="1,1")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--ckpt-at", type=int, default=0)
     p.add_argument("--resume", default=None)
     a = parse(p, argv)
@@ -78,7 +79,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         strategy = Sharded(shares=shares)
     L.seed_everything(7, verbose=False)
-    trainer = cpu_trainer(2, strategy, a.steps, enable_checkpointing=bool(a.ckpt_at), logger=False)
+    trainer = cpu_trainer(
+        2,
+        strategy,
+        a.steps,
+        enable_checkpointing=bool(a.ckpt_at),
+        logger=False,
+        accumulate_grad_batches=a.accumulate,
+    )
     if a.ckpt_at:
         trainer.callbacks.append(
             ModelCheckpoint(dirpath=a.out, filename="at-{step}", every_n_train_steps=a.ckpt_at, save_top_k=-1)
