@@ -34,7 +34,7 @@ from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
 
 SCRIPT = str(SCRIPTS / "shares_run.py")
 BUDGET = 240
-"""Seconds for the one 2-process launch of six short fits (about 30 s on 2 shared cores)."""
+"""Seconds for the one 2-process launch of nine short fits (about 30 s on 2 shared cores)."""
 TOLERANCE = 1e-5
 """fp32: the weighted mean over ranks sums the same B per-sample gradients in another order."""
 
@@ -177,6 +177,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             [SCRIPT, "--out", str(root / "sharded"), "--strategy", "sharded", "--shares", "3,1"],
             [SCRIPT, "--out", str(root / "uniform_acc2"), "--accumulate", "2", "--steps", "4"],
             [SCRIPT, "--out", str(root / "ddp_acc2"), "--shares", "5,3", "--accumulate", "2", "--steps", "4"],
+            [SCRIPT, "--out", str(root / "workers"), *balanced, "--workers", "1"],
             [SCRIPT, "--out", str(root / "balanced"), *balanced, "--ckpt-at", "3"],
             [SCRIPT, "--out", str(root / "resumed"), *balanced, "--resume", str(root / "balanced" / "at-step=3.ckpt")],
         ],
@@ -232,6 +233,17 @@ def test_balancer_moves_shares_to_speed_and_every_sample_once(runs: Path) -> Non
     assert [len(steps[1][s]) for s in range(8)] == [4, 4] + [2] * 6
     seen = [i for s in range(8) for r in (0, 1) for i in steps[r][s]]
     assert sorted(seen) == list(range(64))  # the epoch: every sample once
+
+
+@pytest.mark.slow
+def test_with_loader_workers_a_new_plan_waits_for_what_they_read_ahead(runs: Path) -> None:
+    """One worker reads num_workers * prefetch_factor = 2 batches ahead: the plan agreed after step 2
+    starts at step 4, and the run still ends with the uniform run's weights."""
+    uniform, _ = load_rank(runs / "uniform", 0)
+    for rank in (0, 1):
+        weights, info = load_rank(runs / "workers", rank)
+        assert info["changes"] == [[4, [6, 2]]]
+        assert_same_weights(weights, uniform, atol=TOLERANCE)
 
 
 @pytest.mark.slow

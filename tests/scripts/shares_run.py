@@ -31,13 +31,14 @@ SAMPLES, FEATURES, BATCH = 64, 6, 4
 class Regression(L.LightningModule):
     """An MLP on (index, x, y) samples; it keeps the indices of every batch it trains."""
 
-    def __init__(self, costs: list[float]) -> None:
+    def __init__(self, costs: list[float], workers: int = 0) -> None:
         super().__init__()
         torch.manual_seed(3)
         self.net = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1))
         self.costs = costs
         self.fake_time = 0.0
         self.seen: list[list[int]] = []
+        self.workers = workers
 
     def fake_clock(self) -> float:
         return self.fake_time
@@ -55,7 +56,12 @@ class Regression(L.LightningModule):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(SAMPLES, FEATURES, generator=g)
         y = x @ torch.randn(FEATURES, generator=g) + 0.1 * torch.randn(SAMPLES, generator=g)
-        return DataLoader(TensorDataset(torch.arange(SAMPLES), x, y), batch_size=BATCH, shuffle=False)
+        return DataLoader(
+            TensorDataset(torch.arange(SAMPLES), x, y),
+            batch_size=BATCH,
+            shuffle=False,
+            num_workers=self.workers,
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cost", default="1,1")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--workers", type=int, default=0)
     p.add_argument("--ckpt-at", type=int, default=0)
     p.add_argument("--resume", default=None)
     a = parse(p, argv)
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer.callbacks.append(
             ModelCheckpoint(dirpath=a.out, filename="at-{step}", every_n_train_steps=a.ckpt_at, save_top_k=-1)
         )
-    model = Regression([float(c) for c in a.cost.split(",")])
+    model = Regression([float(c) for c in a.cost.split(",")], a.workers)
     if strategy.batch_shares is not None:
         strategy.batch_shares.clock = model.fake_clock
     trainer.fit(model, ckpt_path=a.resume)
