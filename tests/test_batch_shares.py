@@ -31,10 +31,15 @@ from lightning_dist.strategies.batch_shares_data import SharesSampler
 from lightning_dist.strategies.compose import compose
 from lightning_dist.strategies.sharded import Sharded
 from lightning_dist.strategies.sharded_diloco import ShardedDiLoCo
+from lightning_dist.workload import TinyCausalLM, WorkloadConfig
 
 SCRIPT = str(SCRIPTS / "shares_run.py")
 BUDGET = 240
 """Seconds for the one 2-process launch of nine short fits (about 30 s on 2 shared cores)."""
+DILOCO_RUNS = [
+    {"name": "shares", "options": {"inner_steps": 4, "shares": [3, 1]}, "steps": 4, "record_batches": True},
+]
+"""DiLoCo with shares [3, 1] (tests/scripts/diloco_run.py): one sync after 4 inner AdamW steps."""
 TOLERANCE = 1e-5
 """fp32: the weighted mean over ranks sums the same B per-sample gradients in another order."""
 
@@ -138,10 +143,10 @@ def test_bad_shares_are_refused_at_construction(bad: Any) -> None:
     ("make", "why"),
     [
         (lambda: lightning_dist.Elastic(shares=[3, 1]), "ElasticSampler"),
-        (lambda: lightning_dist.DiLoCo(shares=[3, 1]), "pseudo-gradients"),
+        (lambda: lightning_dist.ElasticDiLoCo(shares=[3, 1]), "ElasticSampler"),
         (lambda: lightning_dist.FaultTolerant(shares="balanced"), "slots"),
         (lambda: ShardedDiLoCo(shares=[1, 1]), "pseudo-gradients"),
-        (lambda: compose(sync="diloco", shares=[3, 1]), "pseudo-gradients"),
+        (lambda: compose(layout="hybrid", sync="diloco", shares=[3, 1]), "pseudo-gradients"),
     ],
 )
 def test_modes_without_shares_refuse_them_naming_why(make: Any, why: str) -> None:
@@ -180,6 +185,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             [SCRIPT, "--out", str(root / "workers"), *balanced, "--workers", "1"],
             [SCRIPT, "--out", str(root / "balanced"), *balanced, "--ckpt-at", "3"],
             [SCRIPT, "--out", str(root / "resumed"), *balanced, "--resume", str(root / "balanced" / "at-step=3.ckpt")],
+            # last: its script ends its fits with the process group down
+            [str(SCRIPTS / "diloco_run.py"), "--out", str(root / "diloco"), "--runs", json.dumps(DILOCO_RUNS)],
         ],
         timeout=BUDGET,
     )  # fmt: skip
@@ -244,6 +251,25 @@ def test_with_loader_workers_a_new_plan_waits_for_what_they_read_ahead(runs: Pat
         weights, info = load_rank(runs / "workers", rank)
         assert info["changes"] == [[4, [6, 2]]]
         assert_same_weights(weights, uniform, atol=TOLERANCE)
+
+
+@pytest.mark.slow
+def test_diloco_weighs_pseudo_gradients_by_samples_trained(runs: Path) -> None:
+    """Each rank's inner AdamW steps on its own share, unweighted; at the sync the pseudo-gradients
+    are weighed by samples trained (3/4 and 1/4 of B: 1.5 and 0.5 times, then averaged), as
+    tests/references.py's DiLoCo writes out with those weights."""
+    import references
+
+    out = runs / "diloco"
+    batches = [torch.load(out / f"shares.rank{r}.batches.pt") for r in (0, 1)]
+    assert [len(b[0][0]) for b in batches] == [12, 4]  # the workload's batch_size 8: B = 16
+    start = TinyCausalLM(WorkloadConfig.tiny(seed=7)).state_dict()
+    expected = references.diloco(start, batches, 4, 0.7, 0.9, 3e-3, 0.01, weights=[1.5, 0.5])
+    unweighted = references.diloco(start, batches, 4, 0.7, 0.9, 3e-3, 0.01)
+    got = torch.load(out / "shares.rank0.pt")
+    assert_same_weights(got, expected[0], atol=1e-6)
+    assert max(float((got[k] - unweighted[0][k]).abs().max()) for k in got) > 1e-5  # the weights matter
+    assert_same_weights(torch.load(out / "shares.rank1.pt"), got, atol=0)
 
 
 @pytest.mark.slow

@@ -54,8 +54,8 @@ else:
 __all__ = ["BatchShares", "BatchSharesMixin", "refuse_shares"]
 
 DILOCO_SHARES = (
-    "DiLoCo's inner steps are local, so a loss weight would change each rank's inner learning rate; "
-    "shares there need the pseudo-gradients weighted by samples trained, which is not built"
+    "its pseudo-gradients are averaged over replica groups of shards, where a weight by samples "
+    "trained is not built (DiLoCo over replicated ranks takes shares)"
 )
 RESILIENCE_SHARES = (
     "reads the data by its own plan (ElasticSampler), which re-splits the global batch on every "
@@ -102,6 +102,9 @@ class BatchShares:
         self.decided = -1
         self.changes: list[tuple[int, list[int]]] = []
         """Every change of plan this run: (first step, shares)."""
+        self.weigh_loss = True
+        """Weight each micro-batch's loss (False: DiLoCo weighs its pseudo-gradients instead)."""
+        self.last_step = 0
 
     def plan(self, world: int, rank: int, total: int, accumulate: int, lag: int) -> None:
         """The first plan: hand shares, or uniform ones for the balancer to move."""
@@ -123,8 +126,16 @@ class BatchShares:
     # -- a micro-batch ------------------------------------------------------------------------------
     def begin_micro_batch(self) -> None:
         m = self.queued.popleft() if self.queued else self.total // (self.world * self.accumulate)
-        self.scale = loss_scale(self.world, self.accumulate, m, self.total)
+        self.scale = loss_scale(self.world, self.accumulate, m, self.total) if self.weigh_loss else 1.0
         self._micro = m
+        self.last_step = self.global_step()
+
+    def period_weight(self, steps: int) -> float:
+        """The factor on this rank's pseudo-gradient over the last ``steps`` steps (DiLoCo):
+        ``W * (its samples in them) / (steps * B)``, so the mean over ranks weighs each by samples."""
+        last = self.last_step
+        own = sum(self.schedule.at(t)[self.rank] for t in range(last - steps + 1, last + 1))
+        return self.world * own / (steps * self.total)
 
     def timed(self, seconds: float) -> None:
         self.seconds += seconds

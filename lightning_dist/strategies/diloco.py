@@ -45,11 +45,10 @@ from lightning_dist.algorithms.cpu_state import to_cpu
 from lightning_dist.algorithms.diloco_params import inner_parameters
 from lightning_dist.compression import Compressor
 from lightning_dist.state import RankStates
-from lightning_dist.strategies.batch_shares import DILOCO_SHARES, refuse_shares
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
-from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions
+from lightning_dist.strategies.options_training import DiLoCoOptions, LaunchOptions, SharesOptions
 from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
@@ -75,6 +74,8 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
             pseudo-gradients cross the wire.
         sync_buffers: average floating-point buffers (BatchNorm statistics) at every sync.
         accelerator ... start_method: as ``DDP``'s (``start_method="auto"``: fork in notebooks).
+        shares: each rank's share of the global batch, as ``DDP``'s; inner steps train on the share
+            unweighted, and each rank's pseudo-gradient is weighed by the samples it trained.
     """
 
     strategy_name = "ld_diloco"
@@ -95,14 +96,17 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "auto",
+        shares: Any = None,
         **unknown: Any,
     ) -> None:
-        refuse_shares(type(self).__name__, unknown, DILOCO_SHARES)
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
         options_from(DiLoCoOptions, locals())  # checks them
         self.compressor = build_diloco_compressor(compression)
         super().__init__(**options_from(LaunchOptions, locals()).as_kwargs())
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers)
+        self._init_shares(options_from(SharesOptions, locals()).shares)
+        if self.batch_shares is not None:  # inner steps are local: the pseudo-gradients are weighed
+            self.batch_shares.weigh_loss = False
         self._restored_per_rank = False
         self.training_state.register(
             "diloco",
@@ -116,7 +120,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        return option_names(DiLoCoOptions, LaunchOptions)
+        return option_names(DiLoCoOptions, LaunchOptions, SharesOptions)
 
     # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
     @override

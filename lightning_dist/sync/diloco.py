@@ -91,14 +91,19 @@ class DiLoCoSync:
         compressor: Compressor,
         module: Optional[nn.Module],
         buffer_comm: Communicator,
+        weight: float = 1.0,
     ) -> None:
-        """Average the pseudo-gradients over ``comm`` through ``compressor``, take the outer step,
+        """Average the pseudo-gradients over ``comm`` through ``compressor`` (each multiplied by
+        ``weight`` first: batch shares weigh ranks by samples trained), take the outer step,
         average ``module``'s floating-point buffers over ``buffer_comm``."""
         outer = self.outer
         assert outer is not None, "DiLoCoSync.sync: start() has not run"
         stats = comm.stats
         before = stats.bytes_sent
-        outer.step(average_pseudo_gradients(comm, compressor, outer.pseudo_gradients()))
+        deltas = outer.pseudo_gradients()
+        if weight != 1.0:
+            deltas = [d.mul_(weight) for d in deltas]
+        outer.step(average_pseudo_gradients(comm, compressor, deltas))
         middle = stats.bytes_sent
         if self.sync_buffers and module is not None:
             buffers = persistent_float_buffers(module)
