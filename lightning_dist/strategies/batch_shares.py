@@ -2,11 +2,12 @@
 
 ``BatchShares`` is the part (the plan of ``lightning_dist.algorithms.batch_shares``: which samples
 each rank trains at each step, the loss weight, the balancer); ``BatchSharesMixin`` is its glue to a
-Lightning strategy (``DDP``, ``Compressed``, ``Sharded``): it reads the training data by the plan
+Lightning strategy (``DDP``, ``Compressed``, ``Sharded``, ``DiLoCo``): it reads the training data by the plan
 (in place of Lightning's DistributedSampler), weights each micro-batch's loss by
 ``W * a * m / B`` before backward (so every reduction, compressor and Adasum sees weighted gradients
 and the update is the uniform run's on the same B samples), times ``training_step`` per sample and,
 with a balancer, agrees on new shares every ``window`` steps from the ranks' gathered times.
+``DiLoCo`` weighs its pseudo-gradients instead of the loss (``period_weight``).
 
 The shares schedule is one replicated piece of training state (``"batch_shares"``) and travels in
 Lightning's checkpoint with the data position (the training DataLoader's state), so a resume reads
