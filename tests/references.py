@@ -48,9 +48,11 @@ def diloco(
     outer_momentum: float,
     lr: float,
     weight_decay: float,
+    weights: list[float] | None = None,
 ) -> list[Weights]:
     """DiLoCo written out on one process: rank r runs torch's AdamW on ``batches[r]`` (its own shard,
-    in order); every ``inner_steps`` steps the ranks' deltas (last-sync params - params) are averaged
+    in order); every ``inner_steps`` steps the ranks' deltas (last-sync params - params), each times
+    ``weights[r]`` (default 1), are averaged
     and a Nesterov SGD step, written as its formula, moves the last-sync params; every rank continues
     from them with its own AdamW state. Returns each rank's final weights."""
     torch.set_num_threads(1)
@@ -73,7 +75,8 @@ def diloco(
             continue
         for n in names:
             params = [dict(m.named_parameters())[n].detach().double() for m in models]
-            delta = torch.stack([anchor[n] - p for p in params]).sum(0) / ranks
+            w = weights or [1.0] * ranks
+            delta = torch.stack([w[r] * (anchor[n] - p) for r, p in enumerate(params)]).sum(0) / ranks
             momentum[n] = outer_momentum * momentum[n] + delta if n in momentum else delta.clone()
             anchor[n] = anchor[n] - outer_lr * (delta + outer_momentum * momentum[n])
         for m in models:

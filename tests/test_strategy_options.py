@@ -158,9 +158,13 @@ def test_each_constructor_takes_its_option_dataclasses_fields_with_their_default
     def defaults(*groups: type) -> dict[str, Any]:
         return {f.name: f.default for g in groups for f in dataclasses.fields(g)}
 
-    assert params(DDP.__init__) == defaults(options_training.LaunchOptions, options_training.DDPOptions)
+    assert params(DDP.__init__) == defaults(
+        options_training.LaunchOptions, options_training.DDPOptions, options_training.SharesOptions
+    )
     assert list(params(DDP.__init__)) == DDP._accepted_options()
-    assert params(DiLoCo.__init__) == defaults(options_training.DiLoCoOptions, options_training.LaunchOptions)
+    assert params(DiLoCo.__init__) == defaults(
+        options_training.DiLoCoOptions, options_training.LaunchOptions, options_training.SharesOptions
+    )
     assert list(params(DiLoCo.__init__)) == DiLoCo._accepted_options()
     assert params(Horovod.__init__) == defaults(options_training.HorovodOptions)
     assert params(HorovodAdasum.__init__) == {**defaults(options_training.HorovodOptions), "op": "adasum"}

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_dist.collectives import Communicator, TorchBackend
 from lightning_dist.collectives.model_check import check_same_model
 from lightning_dist.compat import _IS_INTERACTIVE, _PATH, _init_dist_connection, _SubprocessScriptLauncher
+from lightning_dist.strategies.batch_shares import BatchSharesMixin
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.foreign_checkpoints import (
     load_distributed_checkpoint,
@@ -32,7 +33,7 @@ from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
 from lightning_dist.strategies.nonfinite import NonFiniteGuard
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
-from lightning_dist.strategies.options_training import DDPOptions, LaunchOptions
+from lightning_dist.strategies.options_training import DDPOptions, LaunchOptions, SharesOptions
 from lightning_dist.wire.comm_hook import CollectivesHookState, collectives_hook
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def _is_stopped(pid: int) -> bool:
         return False
 
 
-class DDP(CollectiveOpsMixin, DDPStrategy):
+class DDP(BatchSharesMixin, CollectiveOpsMixin, DDPStrategy):
     """torch DistributedDataParallel under Lightning, with every bucket reduced by ``collectives``.
 
     Unlike Lightning's ``DDPStrategy``, the comm hook is registered on CPU as well as CUDA, so
@@ -72,6 +73,8 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
             into the bucket). Pass ``False`` when code replaces ``param.grad`` or calls ``detach_()`` on it.
         skip_nonfinite: when any rank's gradients hold NaN/Inf, skip that optimizer step on every
             rank (one flag all-reduced per step; logged as ``skipped_nonfinite_steps``).
+        shares: each rank's share of the global batch: None (uniform, Lightning's sampler), a list of
+            proportions (``[3, 1]``), ``"balanced"`` or a ``Balance(...)`` (docs/uneven-ranks.md).
     """
 
     strategy_name = "ld_ddp"
@@ -93,22 +96,25 @@ class DDP(CollectiveOpsMixin, DDPStrategy):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         skip_nonfinite: bool = False,
+        shares: Any = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__name__, unknown, self._accepted_options())
         launch = options_from(LaunchOptions, locals())  # checks them
         options = options_from(DDPOptions, locals())
+        shares_options = options_from(SharesOptions, locals())
         if launch.start_method == "auto":
             launch.start_method = "fork" if _IS_INTERACTIVE else "popen"
         super().__init__(**launch.as_kwargs(), **options.distributed_kwargs())
         self.reduce_op = options.reduce_op
         self.hook_state = self._make_hook_state()
         self.nonfinite = NonFiniteGuard() if options.skip_nonfinite else None
+        self._init_shares(shares_options.shares)
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
         """The keyword options this class accepts (named in the unknown-option error)."""
-        return option_names(LaunchOptions, DDPOptions)
+        return option_names(LaunchOptions, DDPOptions, SharesOptions)
 
     @property
     @override

@@ -48,7 +48,12 @@ from lightning_dist.state import RankStates
 from lightning_dist.strategies.ddp import DDP
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
-from lightning_dist.strategies.options_training import STREAMING_OPTIONS, DiLoCoOptions, LaunchOptions
+from lightning_dist.strategies.options_training import (
+    STREAMING_OPTIONS,
+    DiLoCoOptions,
+    LaunchOptions,
+    SharesOptions,
+)
 from lightning_dist.strategies.rank_state import RankStateMixin
 
 logger = logging.getLogger(__name__)
@@ -77,6 +82,8 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         accelerator ... start_method: as ``DDP``'s (``start_method="auto"``: fork in notebooks).
         fragments, fragment_sync_delay, fragment_update_alpha: Streaming DiLoCo's P, tau and alpha
             (``lightning_dist.sync.diloco``; docs/low-communication.md); 1, 0, 0: DiLoCo.
+        shares: each rank's share of the global batch, as ``DDP``'s; inner steps train on the share
+            unweighted, and each rank's pseudo-gradient is weighed by the samples it trained.
     """
 
     strategy_name = "ld_diloco"
@@ -97,6 +104,7 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: str = "auto",
+        shares: Any = None,
         *,
         fragments: int = 1,
         fragment_sync_delay: int = 0,
@@ -108,6 +116,9 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
         self.compressor = build_diloco_compressor(compression)
         super().__init__(**options_from(LaunchOptions, locals()).as_kwargs())
         self._init_loop(inner_steps, outer_lr, outer_momentum, nesterov, sync_buffers, streaming)
+        self._init_shares(options_from(SharesOptions, locals()).shares)
+        if self.batch_shares is not None:  # inner steps are local: the pseudo-gradients are weighed
+            self.batch_shares.weigh_loss = False
         self._restored_per_rank = False
         self.training_state.register(
             "diloco",
@@ -121,7 +132,10 @@ class DiLoCo(RankStateMixin, DiLoCoLoop, DDP):
     @classmethod
     @override
     def _accepted_options(cls) -> list[str]:
-        return [*option_names(DiLoCoOptions, LaunchOptions, without=STREAMING_OPTIONS), *STREAMING_OPTIONS]
+        return [
+            *option_names(DiLoCoOptions, LaunchOptions, SharesOptions, without=STREAMING_OPTIONS),
+            *STREAMING_OPTIONS,
+        ]
 
     # -- setup: no DistributedDataParallel, rank 0's weights everywhere -----------------------------
     @override

@@ -101,4 +101,6 @@ class DiLoCoLoop(CollectiveOpsMixin):
         streaming: what of a fragment's sync is due, ``DiLoCoSync.sync``)."""
         assert self.outer is not None, f"{type(self).__name__}.sync: setup() has not run"
         comm = self.pseudo_gradient_comm()
-        self.diloco_sync.sync(comm, self.compressor, self.lightning_module, self._transport())
+        part = getattr(self, "batch_shares", None)
+        weight = 1.0 if part is None else part.period_weight(self.diloco_sync.inner_step)
+        self.diloco_sync.sync(comm, self.compressor, self.lightning_module, self._transport(), weight)

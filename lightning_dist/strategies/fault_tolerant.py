@@ -65,6 +65,7 @@ from lightning_dist.collectives.fault_tolerant_logs import configure_torchft_log
 from lightning_dist.compat import disable_distributed_sampler, set_global_step
 from lightning_dist.compression import COMPRESSORS, Compressor
 from lightning_dist.compression.builder import build_compressor
+from lightning_dist.strategies.batch_shares import FAULT_TOLERANT_SHARES, refuse_shares
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.fault_tolerant_callback import install_step_callback
 from lightning_dist.strategies.fault_tolerant_slots import FaultTolerantSlots
@@ -163,6 +164,7 @@ class FaultTolerant(CollectiveOpsMixin, FaultTolerantSlots):
         reduce_op: str = "avg",
         **compressor_options: Any,
     ) -> None:
+        refuse_shares(OWNER, compressor_options, FAULT_TOLERANT_SHARES)
         self.options = options_from(FaultTolerantOptions, locals())
         self.reduce_op = op_name(reduce_op, FAULT_TOLERANT_REDUCE_OPS, argument="reduce_op", default="avg")
         accepted = [*option_names(FaultTolerantOptions), "device", "compressor", "reduce_op"]

@@ -54,6 +54,7 @@ from typing_extensions import override
 from lightning_dist.algorithms.micro_batch_slots import owned_slots
 from lightning_dist.collectives.fault_tolerant import state_checksum
 from lightning_dist.compat import set_global_step
+from lightning_dist.strategies.batch_shares import FAULT_TOLERANT_SHARES, refuse_shares
 from lightning_dist.strategies.diloco_loop import build_diloco_compressor
 from lightning_dist.strategies.diloco_tail import ends_fit, install_tail_sync
 from lightning_dist.strategies.fault_tolerant import StepRecord, group_place
@@ -101,6 +102,7 @@ class FaultTolerantDiLoCo(DiLoCoPeriods):
     outside a step's start, where no check could be made at the same point by every group."""
 
     def __init__(self, inner_steps: int = 500, rejoin_timeout_s: float = 60.0, **options: Any) -> None:
+        refuse_shares(OWNER, options, FAULT_TOLERANT_SHARES)
         accepted = self._accepted_options()
         reject_unknown_options(OWNER, {k: v for k, v in options.items() if k not in accepted}, accepted)
         diloco = {name: options.pop(name) for name in option_names(DiLoCoOptions) if name in options}

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 
 from torch.distributed.constants import default_pg_timeout
 
+from lightning_dist.algorithms.batch_shares import parse_shares
 from lightning_dist.checks import check_bool, check_choice, check_int, check_number, check_positive
 from lightning_dist.collectives.ops import op_name
 from lightning_dist.strategies.options import (
@@ -26,6 +27,7 @@ __all__ = [
     "DiLoCoOptions",
     "HorovodOptions",
     "LaunchOptions",
+    "SharesOptions",
     "ShardedOptions",
 ]
 
@@ -91,6 +93,19 @@ class DDPOptions:
 
 STREAMING_OPTIONS = ("fragments", "fragment_sync_delay", "fragment_update_alpha")
 """``DiLoCoOptions``' Streaming DiLoCo fields: keyword-only in the constructors, after the others."""
+
+
+@dataclass
+class SharesOptions:
+    """Each rank's share of the global batch (``lightning_dist.algorithms.batch_shares``)."""
+
+    shares: Any = None
+    """None (every rank B/W samples a step, Lightning's sampler), a list of positive numbers (one per
+    data-parallel rank, proportions of the global batch B: ``[3, 1]``), ``"balanced"`` or a
+    ``Balance(window=..., low=..., high=...)`` (shares from each rank's measured speed)."""
+
+    def __post_init__(self) -> None:
+        parse_shares(self.shares)
 
 
 @dataclass

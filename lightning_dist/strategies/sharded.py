@@ -39,6 +39,7 @@ from lightning_dist.compression import Compressor
 from lightning_dist.layout import torch_notes
 from lightning_dist.layout.sharded_checkpoint import CHECKPOINT_KEY
 from lightning_dist.layout.sharded_layout import ShardedLayout
+from lightning_dist.strategies.batch_shares import BatchSharesMixin
 from lightning_dist.strategies.collective_ops import CollectiveOpsMixin
 from lightning_dist.strategies.launch_needs import LIGHTNING
 from lightning_dist.strategies.names import register_class
@@ -49,7 +50,7 @@ from lightning_dist.strategies.options import (
     options_from,
     reject_unknown_options,
 )
-from lightning_dist.strategies.options_training import ShardedOptions
+from lightning_dist.strategies.options_training import ShardedOptions, SharesOptions
 from lightning_dist.strategies.rank_state import TrainingStateMixin
 from lightning_dist.warn import warn_once
 from lightning_dist.wire.sharded_landing import PendingGradients
@@ -57,7 +58,7 @@ from lightning_dist.wire.sharded_landing import PendingGradients
 logger = logging.getLogger(__name__)
 
 
-class Sharded(TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
+class Sharded(BatchSharesMixin, TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
     """Sharded data parallelism (FSDP2, or HSDP with ``replicas > 1``) with the pack's communication.
 
     Args:
@@ -71,6 +72,7 @@ class Sharded(TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
         reduce_op: ``"avg"``, or ``"adasum"`` (gradient-space Adasum across replica groups, per
             parameter shard; with SGD it is Horovod's Adasum, with Adam a different algorithm).
         async_save: write distributed checkpoints in the background (``ShardedOptions.async_save``).
+        shares: each rank's share of the global batch, as ``DDP``'s (docs/uneven-ranks.md).
         save_distributed_checkpoint, process_group_backend, timeout: as ``ModelParallelStrategy``.
     """
 
@@ -87,6 +89,7 @@ class Sharded(TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
         replica_sync: Union[str, Compressor] = "none",
         reduce_op: str = "avg",
         async_save: bool = False,
+        shares: Any = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -113,12 +116,14 @@ class Sharded(TrainingStateMixin, CollectiveOpsMixin, ModelParallelStrategy):
             timeout=timeout,
         )
         self._quiet: list[Any] = []
+        self._init_shares(options_from(SharesOptions, locals()).shares)
 
     @classmethod
     def _accepted_options(cls) -> list[str]:
         """The keyword options this class accepts (named in the unknown-option error)."""
         return [
             *option_names(ShardedOptions),
+            "shares",
             "save_distributed_checkpoint",
             "process_group_backend",
             "timeout",

@@ -50,6 +50,7 @@ from lightning_dist.layout.sharded_checkpoint import (
     local_shard,
     restore_local_optimizer_state,
 )
+from lightning_dist.strategies.batch_shares import DILOCO_SHARES, refuse_shares
 from lightning_dist.strategies.diloco_loop import DiLoCoLoop, build_diloco_compressor
 from lightning_dist.strategies.options import option_names, options_from, reject_unknown_options
 from lightning_dist.strategies.options_training import DiLoCoOptions
@@ -113,6 +114,7 @@ class ShardedDiLoCo(DiLoCoLoop, Sharded):
         fragment_update_alpha: float = 0.0,
         **sharded: Any,
     ) -> None:
+        refuse_shares(type(self).__name__, sharded, DILOCO_SHARES)
         accepted = self._accepted_options()
         reject_unknown_options(
             type(self).__name__, {k: v for k, v in sharded.items() if k not in accepted}, accepted

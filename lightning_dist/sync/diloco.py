@@ -98,6 +98,8 @@ class DiLoCoSync:
         """Bytes this rank sent for the buffers in this process's syncs."""
         self.ending = False
         """Set by the holder when the next ``sync`` is the end of ``fit`` (``step_done``'s ``ends``, the tail)."""
+        self.weight = 1.0
+        """What ``sync`` multiplies each pseudo-gradient by (its last ``weight``)."""
         self.next_fragment = 0
         """The fragment that syncs next."""
         self.states: list[str] = [CLEAN] * fragments
@@ -160,11 +162,15 @@ class DiLoCoSync:
         compressor: Compressor,
         module: Optional[nn.Module],
         buffer_comm: Communicator,
+        weight: float = 1.0,
     ) -> None:
         """What is due (``step_done``): the end of ``fit``'s sync, or a fragment exchange's start, its
         landing (average over ``comm`` through ``compressor``, outer step,
-        mixing); ``module``'s floating-point buffers averaged over ``buffer_comm`` every H steps."""
+        mixing); ``module``'s floating-point buffers averaged over ``buffer_comm`` every H steps.
+        Each pseudo-gradient is multiplied by ``weight`` before the average (batch shares weigh the
+        ranks by the samples they trained)."""
         assert self.outer is not None, "DiLoCoSync.sync: start() has not run"
+        self.weight = weight
         if not self.streaming:  # DiLoCo: the whole model now, whenever asked (the tail's too)
             self.ending = False
             self._land(comm, compressor, 0, 0.0)
@@ -190,7 +196,7 @@ class DiLoCoSync:
         outer = self.outer
         assert outer is not None and self.pending is None
         f = self.next_fragment
-        deltas = outer.pseudo_gradients(self.plan()[f])
+        deltas = self._weighted(outer.pseudo_gradients(self.plan()[f]))
         self.pending = PendingExchange(f, self.fragments, comm, compressor, deltas)
         self.sync_bytes += self.pending.sent
 
@@ -209,7 +215,7 @@ class DiLoCoSync:
         else:
             before = comm.stats.bytes_sent
             averaged = average_pseudo_gradients(
-                comm, compressor, outer.pseudo_gradients(indices), (fragment, self.fragments)
+                comm, compressor, self._weighted(outer.pseudo_gradients(indices)), (fragment, self.fragments)
             )
             self.sync_bytes += comm.stats.bytes_sent - before
         if alpha > 0:
@@ -249,7 +255,7 @@ class DiLoCoSync:
             for f in moved:
                 part = None if self.fragments == 1 else plan[f]
                 averaged += average_pseudo_gradients(
-                    comm, compressor, outer.pseudo_gradients(part), (f, self.fragments)
+                    comm, compressor, self._weighted(outer.pseudo_gradients(part)), (f, self.fragments)
                 )
                 indices += plan[f]
             self.sync_bytes += comm.stats.bytes_sent - before
@@ -258,6 +264,10 @@ class DiLoCoSync:
         self._buffers(module, buffer_comm, comm.stats)
         self.reset_stream(moved=False)
         self.inner_step = 0
+
+    def _weighted(self, deltas: list[Tensor]) -> list[Tensor]:
+        """``deltas`` times ``sync``'s ``weight`` (in place; they are fresh differences)."""
+        return deltas if self.weight == 1.0 else [d.mul_(self.weight) for d in deltas]
 
     def _buffers(self, module: Optional[nn.Module], buffer_comm: Communicator, stats: CommStats) -> None:
         """Average ``module``'s floating-point buffers (bytes counted on ``stats``, the pseudo-gradient
